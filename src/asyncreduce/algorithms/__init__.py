@@ -1,0 +1,77 @@
+"""Sans-IO collective algorithms: pure state machines, numpy in, messages out.
+
+``build`` picks the algorithm for an operation from what every rank agrees on (kind, element
+count, dtype, world size), so all ranks pick the same one without talking.
+"""
+
+from __future__ import annotations
+
+from .barrier import Barrier
+from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
+from .doubling import RecursiveDoubling
+from .reduction import DTYPE_BY_CODE, DTYPES, REDUCTION_CODES, REDUCTIONS, DType, combine, finalize
+from .ring import Ring
+from .tree import TreeBroadcast
+
+__all__ = [
+    "Barrier",
+    "Collective",
+    "DType",
+    "DTYPES",
+    "DTYPE_BY_CODE",
+    "KINDS",
+    "ProtocolError",
+    "REDUCTIONS",
+    "REDUCTION_CODES",
+    "RecursiveDoubling",
+    "Ring",
+    "SEGMENT_BYTES",
+    "SMALL_ALLREDUCE_BYTES",
+    "Send",
+    "TreeBroadcast",
+    "build",
+    "combine",
+    "finalize",
+    "segments",
+    "split",
+]
+
+#: Allreduces up to this size use recursive doubling (fewest rounds); larger ones the ring.
+SMALL_ALLREDUCE_BYTES = 64 << 10
+
+#: Operation kinds and their wire codes.
+KINDS: dict[str, int] = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "barrier": 5}
+
+
+def _blocks(count: int, parts: int) -> list[tuple[int, int]]:
+    size = count // parts
+    return [(i * size, (i + 1) * size) for i in range(parts)]
+
+
+def build(
+    kind: str,
+    rank: int,
+    world_size: int,
+    buffer: Array,
+    dtype: DType,
+    reduce_op: str = "sum",
+    root: int = 0,
+) -> Collective:
+    """The state machine for one rank's part of an operation.
+
+    ``buffer`` is flat: the data (allreduce, broadcast, reduce_scatter) or the whole output
+    with this rank's block already in place (allgather).
+    """
+    if kind == "allreduce":
+        if buffer.nbytes <= SMALL_ALLREDUCE_BYTES:
+            return RecursiveDoubling(rank, world_size, buffer, dtype, reduce_op)
+        return Ring(rank, world_size, buffer, dtype, reduce_op, gather=True)
+    if kind == "broadcast":
+        return TreeBroadcast(rank, world_size, buffer, root)
+    if kind == "allgather":
+        return Ring(rank, world_size, buffer, dtype, None, True, _blocks(buffer.size, world_size))
+    if kind == "reduce_scatter":
+        return Ring(rank, world_size, buffer, dtype, reduce_op, False, _blocks(buffer.size, world_size))
+    if kind == "barrier":
+        return Barrier(rank, world_size)
+    raise ValueError(f"unknown operation kind {kind!r}; expected one of {sorted(KINDS)}")

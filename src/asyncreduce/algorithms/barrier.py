@@ -1,0 +1,58 @@
+"""Dissemination barrier.
+
+Theory of operation: in round i (i = 0 .. ceil(log2 n)-1) rank r sends an empty message to
+r + 2^i and waits for one from r - 2^i (mod n). Round i+1 is sent only once round i's message
+arrived, so after the last round every rank has heard, directly or not, from every other one.
+ceil(log2 n) rounds of empty messages; a message of a later round that comes early waits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Array, Collective, ProtocolError, Send
+
+__all__ = ["Barrier"]
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class Barrier(Collective):
+    """Complete only once every rank has entered the barrier."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self._rounds = (world_size - 1).bit_length()
+        self._expected = self._rounds
+        self._arrived: set[int] = set()
+        self._next = 0  # the round whose message this rank waits for
+
+    def _source(self, step: int) -> int:
+        return (self.rank - (1 << step)) % self.world_size
+
+    @property
+    def pending_sources(self) -> set[int]:
+        return {self._source(s) for s in range(self._rounds) if s not in self._arrived}
+
+    def _send(self, step: int) -> list[Send]:
+        if step >= self._rounds:
+            return []
+        return [Send((self.rank + (1 << step)) % self.world_size, step, 0, _EMPTY)]
+
+    def start(self) -> list[Send]:
+        return self._send(0)
+
+    def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
+        valid = 0 <= step < self._rounds and src == self._source(step) and seg == 0
+        if not valid or step in self._arrived:
+            raise ProtocolError(f"barrier: unexpected round {step} from rank {src}")
+        return self._check_size("barrier", _EMPTY, nbytes)
+
+    def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
+        self._arrived.add(step)
+        self._received += 1
+        sends: list[Send] = []
+        while self._next in self._arrived:
+            self._next += 1
+            sends += self._send(self._next)
+        return sends

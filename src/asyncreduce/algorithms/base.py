@@ -1,0 +1,108 @@
+"""The sans-IO contract every collective algorithm follows.
+
+A collective on one rank is a state machine with no sockets, threads or clocks:
+
+* ``start()`` returns the first messages to send;
+* for each arriving message the caller asks ``recv_buffer(src, step, seg, nbytes)`` where its
+  payload must be written (often the final destination, so nothing is copied), writes it there,
+  then calls ``on_message(src, step, seg, payload)``, which returns the next messages to send;
+* ``done`` is true once every expected message has been consumed.
+
+Messages are named by ``(src, step, seg)``; they may arrive in any order, across sources and
+across steps, and each algorithm either does not care or holds early ones until their turn.
+A buffer returned by ``recv_buffer`` for one source stays valid until ``on_message`` for that
+message returns and the next ``recv_buffer`` for the same source is asked. A payload handed
+out in a ``Send`` stays untouched by the algorithm until the operation is done; the caller
+must not report completion before every send has left (the engine counts them).
+
+An unexpected message (wrong source, step, segment or size, or a duplicate) raises
+``ProtocolError``: the peers disagree about the operation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["Send", "Collective", "ProtocolError", "split", "segments", "SEGMENT_BYTES"]
+
+#: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
+#: reducing overlap, large enough that per-message overhead stays small.
+SEGMENT_BYTES = 1 << 20
+
+Array = NDArray[np.generic]
+
+
+class ProtocolError(Exception):
+    """A message the algorithm did not expect: the ranks disagree about the operation."""
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One message to send: to rank ``dst``, named ``(step, seg)``, carrying ``payload``."""
+
+    dst: int
+    step: int
+    seg: int
+    payload: Array
+
+
+class Collective(ABC):
+    """One rank's side of one collective operation."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self._expected = 0
+        self._received = 0
+
+    @property
+    def done(self) -> bool:
+        return self._received == self._expected
+
+    @property
+    def pending_sources(self) -> set[int]:
+        """Ranks this algorithm still waits on (for error messages); may over-approximate."""
+        return set() if self.done else set(range(self.world_size)) - {self.rank}
+
+    @abstractmethod
+    def start(self) -> list[Send]:
+        """The first messages; called once."""
+
+    @abstractmethod
+    def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
+        """Where the payload of message (src, step, seg) goes; raises ProtocolError if unexpected."""
+
+    @abstractmethod
+    def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
+        """Consume one message whose payload now lies in ``payload``; return what to send next."""
+
+    def _check_size(self, what: str, buffer: Array, nbytes: int) -> Array:
+        if buffer.nbytes != nbytes:
+            raise ProtocolError(f"{what}: expected {buffer.nbytes} bytes, got {nbytes}")
+        return buffer
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into ``parts`` contiguous ranges, sizes differing by at most one."""
+    base, extra = divmod(count, parts)
+    bounds = []
+    start = 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def segments(start: int, stop: int, segment_elems: int) -> list[tuple[int, int]]:
+    """Cut [start, stop) into pieces of ``segment_elems``; an empty range is one empty segment,
+    so every step of an algorithm sends at least one message (which carries the descriptor)."""
+    if stop <= start:
+        return [(start, start)]
+    return [(s, min(s + segment_elems, stop)) for s in range(start, stop, segment_elems)]

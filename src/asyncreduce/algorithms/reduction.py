@@ -1,0 +1,98 @@
+"""Element types and reductions, applied in place with numpy.
+
+Every reduction is commutative, so two ranks that combine the same two operands in either
+order get bitwise the same result; the algorithms rely on that for identical results on every
+rank. ``avg`` is a sum on the wire, divided by the world size once at the end.
+
+bfloat16 (torch only) travels as its raw 16-bit pattern; it is widened to float32 to combine
+and rounded back to nearest-even, which is what PyTorch does on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["DType", "DTYPES", "DTYPE_BY_CODE", "REDUCTIONS", "REDUCTION_CODES", "combine", "finalize"]
+
+
+@dataclass(frozen=True)
+class DType:
+    """An element type: its wire code, name, and the numpy dtype its bytes are stored as."""
+
+    code: int
+    name: str
+    storage: np.dtype[np.generic]
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.storage.itemsize)
+
+    @property
+    def is_float(self) -> bool:
+        return self.name in ("float16", "float32", "float64", "bfloat16")
+
+
+DTYPES: Final[dict[str, DType]] = {
+    d.name: d
+    for d in (
+        DType(1, "float16", np.dtype(np.float16)),
+        DType(2, "float32", np.dtype(np.float32)),
+        DType(3, "float64", np.dtype(np.float64)),
+        DType(4, "int32", np.dtype(np.int32)),
+        DType(5, "int64", np.dtype(np.int64)),
+        DType(6, "uint8", np.dtype(np.uint8)),
+        DType(7, "bfloat16", np.dtype(np.uint16)),
+    )
+}
+DTYPE_BY_CODE: Final[dict[int, DType]] = {d.code: d for d in DTYPES.values()}
+
+REDUCTIONS: Final[tuple[str, ...]] = ("sum", "avg", "max", "min", "prod")
+REDUCTION_CODES: Final[dict[str, int]] = {name: i + 1 for i, name in enumerate(REDUCTIONS)}
+
+_UFUNCS: Final[dict[str, np.ufunc]] = {
+    "sum": np.add,
+    "avg": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "prod": np.multiply,
+}
+
+
+def _bf16_to_f32(bits: NDArray[np.uint16]) -> NDArray[np.float32]:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(values: NDArray[np.float32], out: NDArray[np.uint16]) -> None:
+    """Round float32 to bfloat16 to nearest-even (NaN stays a quiet NaN) into ``out``."""
+    bits = values.view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    rounded = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    out[...] = rounded
+
+
+def combine(dtype: DType, op: str, acc: NDArray[np.generic], incoming: NDArray[np.generic]) -> None:
+    """acc = acc (op) incoming, in place."""
+    ufunc = _UFUNCS[op]
+    with np.errstate(all="ignore"):  # overflow wraps or saturates, as in MPI: no warnings
+        if dtype.name == "bfloat16":
+            widened = ufunc(_bf16_to_f32(acc), _bf16_to_f32(incoming))  # type: ignore[arg-type]
+            _f32_to_bf16(widened, acc)  # type: ignore[arg-type]
+        else:
+            ufunc(acc, incoming, out=acc)
+
+
+def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int) -> None:
+    """Apply what an operation does once after combining: ``avg`` divides by the world size."""
+    if op != "avg" or world_size == 1:
+        return
+    if dtype.name == "bfloat16":
+        _f32_to_bf16(_bf16_to_f32(values) / np.float32(world_size), values)  # type: ignore[arg-type]
+    else:
+        np.divide(values, world_size, out=values, casting="unsafe")

@@ -1,0 +1,111 @@
+"""Turning what the caller passed (numpy array, torch tensor, buffer) into a flat numpy view.
+
+The collective works on a flat, contiguous numpy array over the caller's own memory (no copy
+for in-place operations), and the result goes back as the caller's type: the same object when
+the operation is in place, a new object of the same kind otherwise. PyTorch is imported only
+if the caller passed a tensor. bfloat16 tensors travel as their 16-bit patterns.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .algorithms import DTYPES, Array, DType
+from .errors import UsageError
+
+__all__ = ["Buffer", "as_buffer"]
+
+_SUPPORTED = ", ".join(DTYPES)
+
+
+@dataclass
+class Buffer:
+    """A caller's data as a flat numpy view, and how to hand a numpy result back."""
+
+    original: Any
+    flat: Array
+    shape: tuple[int, ...]
+    dtype: DType
+    like: Callable[[Array], Any]  # a numpy array (same dtype) -> the caller's type
+
+
+def as_buffer(x: Any, what: str, *, inplace: bool = True) -> Buffer:
+    """View ``x`` as a flat array; copy it first when ``inplace`` is False."""
+    if isinstance(x, np.ndarray):
+        return _numpy(x, what, inplace)
+    if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        return _torch(x, what, inplace)
+    try:
+        view = memoryview(x)
+    except TypeError:
+        raise UsageError(
+            f"{what} must be a numpy array, a torch tensor or a buffer (bytearray, array.array, ...); "
+            f"got {type(x).__name__}"
+        ) from None
+    return _buffer(x, view, what, inplace)
+
+
+def _dtype_of(np_dtype: np.dtype[Any], what: str) -> DType:
+    found = DTYPES.get(np_dtype.name) if np_dtype.isnative or np_dtype.itemsize == 1 else None
+    if found is None or found.name == "bfloat16":
+        raise UsageError(f"{what} has dtype {np_dtype}; supported: {_SUPPORTED} (bfloat16 as torch)")
+    return found
+
+
+def _numpy(x: Array, what: str, inplace: bool) -> Buffer:
+    dtype = _dtype_of(x.dtype, what)
+    if not x.flags.c_contiguous:
+        raise UsageError(f"{what} is not contiguous; pass np.ascontiguousarray({what}) instead")
+    if inplace and not x.flags.writeable:
+        raise UsageError(f"{what} is read-only; pass a writable array or inplace=False")
+    data = x if inplace else x.copy()
+    return Buffer(data, data.reshape(-1), x.shape, dtype, lambda a: a)
+
+
+def _torch(t: Any, what: str, inplace: bool) -> Buffer:
+    import torch
+
+    if t.device.type != "cpu":
+        raise UsageError(f"{what} is on {t.device}; this release takes CPU tensors (use .cpu())")
+    if not t.is_contiguous():
+        raise UsageError(f"{what} is not contiguous; pass {what}.contiguous() instead")
+    data = t.detach() if inplace else t.detach().clone()
+    if data.dtype == torch.bfloat16:
+        flat = data.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        return Buffer(data, flat, tuple(t.shape), DTYPES["bfloat16"], _bf16_tensor)
+    try:
+        array_view = data.numpy()
+    except TypeError as exc:
+        raise UsageError(f"{what} has dtype {t.dtype}; supported: {_SUPPORTED}") from exc
+    dtype = _dtype_of(array_view.dtype, what)
+    return Buffer(data, array_view.reshape(-1), tuple(t.shape), dtype, torch.from_numpy)
+
+
+def _bf16_tensor(a: Array) -> Any:
+    import torch
+
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+def _buffer(x: Any, view: memoryview, what: str, inplace: bool) -> Buffer:
+    if not view.c_contiguous:
+        raise UsageError(f"{what} is a non-contiguous buffer; copy it into a contiguous one")
+    if inplace and view.readonly:
+        raise UsageError(f"{what} is read-only ({type(x).__name__}); pass a writable buffer or inplace=False")
+    arr = np.asarray(view)
+    dtype = _dtype_of(arr.dtype, what)
+    if inplace:
+        data: Any = x
+    elif isinstance(x, bytes | bytearray):
+        data = type(x)(arr.tobytes()) if isinstance(x, bytearray) else bytearray(x)
+    elif isinstance(x, array.array):
+        data = array.array(x.typecode, x)
+    else:
+        data = arr.copy()
+    flat = np.asarray(memoryview(data)).reshape(-1) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    return Buffer(data, flat, arr.shape, dtype, lambda a: a)

@@ -1,0 +1,132 @@
+"""The ``asyncreduce`` command line: ``run`` (the local launcher) and ``bench``.
+
+Theory of operation
+-------------------
+``main`` parses with argparse and dispatches to one subcommand; it always *returns* the exit
+code (argparse's own exits, 2 for bad arguments and 0 for ``--help``, are caught and returned)
+so that the console script and ``python -m asyncreduce`` both end with ``SystemExit(main())``.
+
+``asyncreduce run -n N [--master-addr A] [--master-port P] [--grace S] [--] prog args...``
+hands everything from the program on to it untouched: options after the program name are the
+program's, not ours, and a ``--`` before the program is optional. See ``asyncreduce.launch``.
+
+``asyncreduce bench args...`` imports ``asyncreduce.bench`` only when asked, so the launcher
+never pays for (or breaks on) the benchmark's imports, and passes it the rest of the line
+verbatim (``--help`` included: the benchmark owns its options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from asyncreduce import launch
+
+__all__ = ["main"]
+
+_RUN_EXAMPLE = "asyncreduce run -n 2 train.py --epochs 3"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return its exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark, options too
+        return _bench(argv[1:])
+    try:
+        return _run(_parser().parse_args(argv))
+    except SystemExit as exc:  # argparse: 2 for bad arguments, 0 for --help
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncreduce", description="Asynchronous collective communication tools."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(commands)
+    # Listed for --help only: main() hands "bench ..." to asyncreduce.bench before parsing.
+    commands.add_parser("bench", help="run the benchmarks (asyncreduce.bench)")
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = commands.add_parser(
+        "run",
+        help="start N ranks of a program on this machine",
+        description="Start N ranks of a program on this machine, each told RANK, WORLD_SIZE, "
+        "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Output lines are prefixed "
+        "with [rank]. If one rank fails, the others are stopped.",
+        epilog=f"example: {_RUN_EXAMPLE}",
+    )
+    run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks")
+    run.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0")
+    run.add_argument("--master-port", type=_port, default=None, help="port (default: a free one)")
+    run.add_argument(
+        "--grace", type=_seconds, default=3.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    run.add_argument("program", nargs=argparse.REMAINDER, help="program (.py or command) and args")
+    run.set_defaults(run_parser=run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    program: list[str] = list(args.program)
+    if program[:1] == ["--"]:
+        program = program[1:]
+    if not program:
+        args.run_parser.error(f"missing the program to run (e.g. {_RUN_EXAMPLE})")
+    return launch.run(
+        args.nprocs,
+        program,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        grace=args.grace,
+    )
+
+
+def _bench(rest: Sequence[str]) -> int:
+    try:
+        bench = importlib.import_module("asyncreduce.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "asyncreduce.bench":
+            raise
+        print(
+            "asyncreduce bench: the benchmark module asyncreduce.bench is not available "
+            "in this installation",
+            file=sys.stderr,
+        )
+        return 2
+    code = bench.main(list(rest))
+    return 0 if code is None else int(code)
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None

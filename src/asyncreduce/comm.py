@@ -1,0 +1,259 @@
+"""The public communicator: non-blocking collectives that any thread may post.
+
+Theory of operation. A call checks its arguments in the calling thread (a bad call raises
+``UsageError`` before anything is numbered or sent, so ranks stay in step), gives the
+operation its key, builds the algorithm's state machine over the caller's memory and hands it
+to the engine. The key is the ``name`` plus how many times this rank posted that name before,
+or, for unnamed operations, the count of unnamed ones: named operations may be posted in any
+order on each rank; unnamed ones, as in MPI, in the same order everywhere.
+
+The caller must not touch the buffer until the request completes; afterwards the result is
+in place (or in a new object, for ``inplace=False``, allgather and reduce_scatter).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, build
+from .buffers import Buffer, as_buffer
+from .engine import Engine, Operation
+from .errors import UsageError
+from .request import CallbackRunner, Request
+from .transport.frame import MAX_NAME_BYTES, Descriptor
+from .transport.tcp import TcpTransport, connect_mesh
+
+__all__ = ["Communicator", "init"]
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class Communicator:
+    """A group of ``world_size`` ranks that run collectives together (see ``init``)."""
+
+    def __init__(self, rank: int, world_size: int, engine: Engine | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._engine = engine
+        self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
+        self._key_lock = threading.Lock()
+        self._posted: defaultdict[str, int] = defaultdict(int)
+        self._closed = False
+
+    # ---- collectives ---------------------------------------------------------------------
+
+    def iallreduce(
+        self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
+        timeout: float | None = None, inplace: bool = True,
+    ) -> Request[Any]:  # fmt: skip
+        """Start reducing ``x`` over all ranks with ``op`` (sum, avg, max, min, prod)."""
+        buf = as_buffer(x, "x", inplace=inplace)
+        self._check_reduction(op, buf)
+        return self._post("allreduce", buf, lambda: buf.original, op, 0, name, priority, timeout)
+
+    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
+        """``iallreduce(...).wait()``."""
+        return self.iallreduce(x, op, **kwargs).wait()
+
+    def ibroadcast(
+        self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
+        timeout: float | None = None, inplace: bool = True,
+    ) -> Request[Any]:  # fmt: skip
+        """Start copying ``x`` of rank ``root`` into ``x`` of every rank."""
+        buf = as_buffer(x, "x", inplace=inplace)
+        if not (isinstance(root, int) and 0 <= root < self.world_size):
+            raise UsageError(f"root={root!r} is not a rank of this communicator (0..{self.world_size - 1})")
+        return self._post("broadcast", buf, lambda: buf.original, None, root, name, priority, timeout)
+
+    def broadcast(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
+        """``ibroadcast(...).wait()``."""
+        return self.ibroadcast(x, root, **kwargs).wait()
+
+    def iallgather(
+        self, x: Any, *, name: str | None = None, priority: int = 0, timeout: float | None = None
+    ) -> Request[Any]:
+        """Start gathering every rank's ``x``; the result has shape (world_size, *x.shape)."""
+        buf = as_buffer(x, "x", inplace=False)
+        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
+        out.reshape(self.world_size, -1)[self.rank] = buf.flat
+        gathered = Buffer(out, out.reshape(-1), out.shape, buf.dtype, buf.like)
+        return self._post("allgather", gathered, lambda: buf.like(out), None, 0, name, priority, timeout)
+
+    def allgather(self, x: Any, **kwargs: Any) -> Any:
+        """``iallgather(...).wait()``."""
+        return self.iallgather(x, **kwargs).wait()
+
+    def ireduce_scatter(
+        self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
+        timeout: float | None = None, inplace: bool = True,
+    ) -> Request[Any]:  # fmt: skip
+        """Start reducing ``x`` and keep block ``rank`` of its first axis (split world_size ways)."""
+        buf = as_buffer(x, "x", inplace=inplace)
+        self._check_reduction(op, buf)
+        if not buf.shape or buf.shape[0] % self.world_size:
+            raise UsageError(
+                f"reduce_scatter needs the first axis of x divisible by world_size={self.world_size}; "
+                f"x has shape {buf.shape}"
+            )
+        block = (buf.shape[0] // self.world_size, *buf.shape[1:])
+        mine = buf.flat.reshape(self.world_size, -1)[self.rank].reshape(block)
+        return self._post("reduce_scatter", buf, lambda: buf.like(mine), op, 0, name, priority, timeout)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
+        """``ireduce_scatter(...).wait()``."""
+        return self.ireduce_scatter(x, op, **kwargs).wait()
+
+    def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
+        """Start a barrier: completes once every rank has entered it."""
+        buf = as_buffer(_EMPTY, "barrier")
+        return self._post("barrier", buf, lambda: None, None, 0, name, 0, timeout)
+
+    def barrier(self, **kwargs: Any) -> None:
+        """``ibarrier(...).wait()``."""
+        self.ibarrier(**kwargs).wait()
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fail pending requests with ClosedError, then close every socket and join every thread."""
+        self._closed = True
+        if self._engine is not None:
+            self._engine.close()
+        self._runner.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Communicator rank {self.rank} of {self.world_size}{' closed' if self._closed else ''}>"
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _check_reduction(self, op: str, buf: Buffer) -> None:
+        if op not in REDUCTIONS:
+            raise UsageError(f"op={op!r} is not a reduction; use one of {', '.join(REDUCTIONS)}")
+        if op == "avg" and not buf.dtype.is_float:
+            raise UsageError(f"op='avg' needs a floating dtype, x is {buf.dtype.name}; use 'sum' and divide")
+
+    def _next_key(self, name: str | None) -> tuple[bytes, int]:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise UsageError(f"name must be a non-empty string or None, got {name!r}")
+        wire = (name or "").encode()
+        if len(wire) > MAX_NAME_BYTES:
+            raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
+        with self._key_lock:
+            instance = self._posted[name or ""]
+            self._posted[name or ""] = instance + 1
+        return wire, instance
+
+    def _post(
+        self, kind: str, buf: Buffer, result: Any, op: str | None, root: int,
+        name: str | None, priority: int, timeout: float | None,
+    ) -> Request[Any]:  # fmt: skip
+        if not isinstance(priority, int):
+            raise UsageError(f"priority must be an int, got {priority!r}")
+        if timeout is not None and not timeout > 0:
+            raise UsageError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        if self._closed:
+            from .errors import ClosedError
+
+            raise ClosedError(f"{kind}: the communicator is closed")
+        key = self._next_key(name)
+        label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
+        reduce = REDUCTION_CODES[op] if op else 0
+        desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, buf.flat.size)
+        algo = build(kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root)
+        request: Request[Any] = Request(label, self._runner)
+        if self._engine is None:  # a world of one: nothing to talk to
+            algo.start()
+            request.set_result(result())
+            return request
+        self._engine.submit(Operation(key, label, desc, algo, request, result, priority, timeout))
+        return request
+
+
+# ---- building a communicator -----------------------------------------------------------------
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        if os.environ.get(n):
+            try:
+                return int(os.environ[n])
+            except ValueError:
+                raise UsageError(f"environment variable {n}={os.environ[n]!r} is not an integer") from None
+    return None
+
+
+def _local_address(master_addr: str) -> str:
+    """The address of this host on the route to the master (no packet is sent)."""
+    override = os.environ.get("ASYNCREDUCE_ADDR")
+    if override:
+        return override
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_addr, 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    *,
+    init_method: str | None = None,
+    timeout: float = 30.0,
+) -> Communicator:
+    """Join the job and connect to every other rank.
+
+    Anything not given is read from the environment: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT (torchrun, ``asyncreduce run``), or OMPI_COMM_WORLD_RANK/SIZE and PMI_RANK/SIZE
+    under mpirun. ``init_method`` may be ``tcp://host:port`` or ``file:///shared/dir``.
+    Raises TimeoutError naming the ranks that did not join within ``timeout`` seconds.
+    """
+    rank = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if rank is None or world_size is None:
+        raise UsageError("rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE (torchrun, asyncreduce run)")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is not within a world of size {world_size}")
+    if world_size == 1:
+        return Communicator(0, 1, None)
+    master_addr = master_addr or os.environ.get("MASTER_ADDR")
+    master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
+    deadline = time.monotonic() + timeout
+    from .rendezvous import gather, store_from_env_or_args
+
+    store = store_from_env_or_args(rank, world_size, master_addr, master_port, init_method, timeout)
+    try:
+        host = _local_address(master_addr or "127.0.0.1")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind((host, 0))
+            listener.listen(world_size)
+            if rank == 0:
+                store.set("asyncreduce/token", os.urandom(16))
+            token = store.get("asyncreduce/token", max(0.001, deadline - time.monotonic()))
+            me = f"{host}:{listener.getsockname()[1]}".encode()
+            found = gather(store, "asyncreduce/addr", rank, world_size, me, max(0.001, deadline - time.monotonic()))
+            addresses = [(a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found]
+            socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
+    finally:
+        store.close()
+    engine = Engine(rank, world_size, lambda sink: TcpTransport(rank, socks, sink))
+    return Communicator(rank, world_size, engine)

@@ -1,0 +1,351 @@
+"""The progress engine: one thread that owns the wire and every operation's state.
+
+Theory of operation. User threads build an ``Operation`` (its key, descriptor and algorithm
+state machine) and ``submit`` it: a deque append plus a one-byte wake-up. Only the engine
+thread touches transports and algorithm state, so none of that needs a lock. The thread loops:
+take submitted operations, let the transport move bytes (it calls back ``frame_buffer``,
+``on_frame``, ``on_sent``, ``on_peer_lost``), expire deadlines.
+
+Matching is by key, never by order. A frame names its operation ``(name, instance)``; if that
+operation is posted here its payload lands straight in the algorithm's buffer, otherwise it
+waits in the unexpected queue until the operation is posted. Every frame carries the
+operation's descriptor, and a frame whose descriptor differs from the local one fails the
+operation here and, through an ERROR frame, on every other rank, naming both sides.
+
+An operation completes when its algorithm is done and every frame it sent has left (so the
+caller may reuse the buffer at once). Completing a request wakes its waiters; done-callbacks
+run elsewhere (see request.py). A lost peer breaks the engine: every pending request fails
+with ``BrokenError`` naming that peer, and so does every later post.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .algorithms import Array, Collective, ProtocolError, Send
+from .errors import BrokenError, ClosedError, MismatchError
+from .request import Request
+from .transport.base import FrameSink, Transport
+from .transport.frame import DATA, ERROR, MAX_ERROR_BYTES, Descriptor, Header, pack_header
+
+__all__ = ["Engine", "Operation", "describe"]
+
+log = logging.getLogger("asyncreduce.engine")
+
+Key = tuple[bytes, int]
+_FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
+_ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
+_ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
+_KIND_NAMES = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "reduce_scatter", 5: "barrier"}
+_DTYPE_NAMES = {1: "float16", 2: "float32", 3: "float64", 4: "int32", 5: "int64", 6: "uint8", 7: "bfloat16"}
+_REDUCE_NAMES = {0: "", 1: "sum", 2: "avg", 3: "max", 4: "min", 5: "prod"}
+
+
+def describe(desc: Descriptor) -> str:
+    """``allreduce float32[1000] sum`` (what a rank posted, for error messages)."""
+    parts = [_KIND_NAMES.get(desc.kind, f"kind {desc.kind}")]
+    parts.append(f"{_DTYPE_NAMES.get(desc.dtype, f'dtype {desc.dtype}')}[{desc.count}]")
+    if _REDUCE_NAMES.get(desc.reduce):
+        parts.append(_REDUCE_NAMES[desc.reduce])
+    if desc.kind == 2:
+        parts.append(f"root={desc.root}")
+    return " ".join(parts)
+
+
+@dataclass(eq=False)
+class Operation:
+    """One posted operation, as the engine drives it."""
+
+    key: Key
+    label: str
+    desc: Descriptor
+    algo: Collective
+    request: Request[Any]
+    result: Callable[[], Any]
+    priority: int = 0
+    timeout: float | None = None
+    unsent: int = 0
+    deadline: float = field(default=0.0, init=False)
+
+
+class Engine(FrameSink):
+    """Drives every operation of one communicator on its own thread (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, make_transport: Callable[[FrameSink], Transport]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._submitted: deque[Operation | None] = deque()
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._ops: dict[Key, Operation] = {}
+        self._unexpected: dict[Key, list[tuple[int, Header, memoryview]]] = {}
+        self._failed: OrderedDict[Key, BaseException] = OrderedDict()
+        self._landing: dict[int, tuple[Operation, Array]] = {}
+        self._deadlines: list[tuple[float, int, Operation]] = []
+        self._order = itertools.count()
+        self.transport = make_transport(self)
+        self._thread = threading.Thread(target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- any thread --------------------------------------------------------------------------
+
+    def submit(self, op: Operation) -> None:
+        """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{op.label}: the communicator is closed")
+            if self._broken is not None:
+                raise BrokenError(f"{op.label}: the communicator is broken: {self._broken}") from self._broken
+            self._submitted.append(op)
+        self.transport.wakeup()
+
+    def close(self) -> None:
+        """Fail what is pending with ClosedError, close every socket, join the thread."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._submitted.append(None)
+        self.transport.wakeup()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self._broken
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_submitted():
+                self.transport.poll(self._poll_timeout())
+                self._expire()
+        except BaseException as exc:  # a bug: fail loudly, never hang the callers
+            log.exception("asyncreduce progress thread crashed")
+            self._break(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
+            self._drain_until_close()
+        finally:
+            self.transport.close()
+
+    def _drain_until_close(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    break
+            time.sleep(0.05)
+        self._take_submitted()
+
+    def _take_submitted(self) -> bool:
+        """Start what was submitted; False once close() was asked for."""
+        while True:
+            with self._lock:
+                if not self._submitted:
+                    return True
+                op = self._submitted.popleft()
+            if op is None:
+                self._close_all()
+                return False
+            if self._broken is not None:
+                self._fail(op, BrokenError(f"{op.label}: the communicator is broken: {self._broken}"))
+            else:
+                self._start(op)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            late = [op for op in self._submitted if op is not None]
+            self._submitted.clear()
+        for op in list(self._ops.values()) + late:
+            self._fail(op, ClosedError(f"{op.label}: the communicator was closed while it was pending"))
+
+    def _poll_timeout(self) -> float:
+        if not self._deadlines:
+            return 1.0
+        return min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
+
+    def _start(self, op: Operation) -> None:
+        earlier = self._failed.get(op.key)
+        if earlier is not None:
+            self._fail(op, _same_error(earlier, f"{op.label}: {earlier}"))
+            return
+        self._ops[op.key] = op
+        if op.timeout is not None:
+            op.deadline = time.monotonic() + op.timeout
+            heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))
+        if self._guarded(op, op.algo.start):
+            for peer, header, payload in self._unexpected.pop(op.key, []):
+                if not self._accept(op, peer, header, payload):
+                    break
+        self._maybe_complete(op)
+
+    def _guarded(self, op: Operation, step: Callable[[], list[Send]]) -> bool:
+        """Run one algorithm step and send what it returns; a failure fails the operation."""
+        try:
+            sends = step()
+        except ProtocolError as exc:
+            self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
+            return False
+        except Exception as exc:
+            log.exception("%s failed in its algorithm", op.label)
+            self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
+            return False
+        for s in sends:
+            self._send(op, s)
+        return op.key in self._ops
+
+    def _send(self, op: Operation, s: Send) -> None:
+        payload = memoryview(s.payload).cast("B")
+        head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
+        op.unsent += 1
+        self.transport.send(s.dst, head, payload, op.priority, op)
+
+    def _maybe_complete(self, op: Operation) -> None:
+        if op.unsent or not op.algo.done or self._ops.get(op.key) is not op:
+            return
+        del self._ops[op.key]
+        try:
+            value = op.result()
+        except Exception as exc:
+            op.request.set_exception(exc)
+            return
+        op.request.set_result(value)
+
+    def _fail(self, op: Operation, error: BaseException) -> None:
+        if self._ops.get(op.key) is op:
+            del self._ops[op.key]
+            self._remember_failed(op.key, error)
+            self.transport.drop(op)
+        if not op.request.done():
+            op.request.set_exception(error)
+
+    def _remember_failed(self, key: Key, error: BaseException) -> None:
+        self._failed[key] = error
+        self._unexpected.pop(key, None)
+        while len(self._failed) > _FORGET_AFTER:
+            self._failed.popitem(last=False)
+
+    def _fail_everywhere(self, op: Operation, error: BaseException) -> None:
+        """Fail ``op`` here and tell every other rank to fail it the same way."""
+        if self._ops.get(op.key) is not op:
+            return
+        self._fail(op, error)
+        message = str(error).encode()[:MAX_ERROR_BYTES]
+        code = _ERROR_CODES.get(type(error), 3)
+        head = pack_header(ERROR, op.key[0], op.key[1], 0, code, len(message), op.desc)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self._try_send_error(peer, head, message)
+
+    def _try_send_error(self, peer: int, head: bytes, message: bytes) -> None:
+        try:
+            self.transport.send(peer, head, memoryview(message), 1 << 30, None)
+        except KeyError:
+            pass  # that peer is gone already
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, op = heapq.heappop(self._deadlines)
+            if self._ops.get(op.key) is op:
+                waiting = ", ".join(map(str, sorted(op.algo.pending_sources))) or "none"
+                self._fail_everywhere(op, TimeoutError(
+                    f"{op.label} did not complete within its timeout of {op.timeout} s on rank "
+                    f"{self.rank} (still waiting for ranks: {waiting})"))  # fmt: skip
+
+    def _break(self, error: BaseException) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = error
+        for op in list(self._ops.values()):
+            self._fail(op, BrokenError(f"{op.label} failed: {error}"))
+
+    # ---- FrameSink: called by the transport on this thread ---------------------------------
+
+    def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
+        op = self._ops.get(header.key)
+        if header.type != DATA or op is None or not self._matches(op, peer, header):
+            return None
+        try:
+            target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
+        except ProtocolError as exc:
+            self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
+            return None
+        self._landing[peer] = (op, target)
+        return memoryview(target).cast("B")
+
+    def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        landed = self._landing.pop(peer, None)
+        if header.type == ERROR:
+            self._on_error_frame(peer, header, payload)
+            return
+        op = self._ops.get(header.key)
+        if op is None:
+            if header.key not in self._failed:
+                self._unexpected.setdefault(header.key, []).append((peer, header, payload))
+            return
+        if landed is not None and landed[0] is op:
+            target = landed[1]
+            if self._guarded(op, lambda: op.algo.on_message(peer, header.step, header.seg, target)):
+                self._maybe_complete(op)
+        elif self._accept(op, peer, header, payload):
+            self._maybe_complete(op)
+
+    def _accept(self, op: Operation, peer: int, header: Header, payload: memoryview) -> bool:
+        """Deliver a frame that was received before ``op`` was posted (one copy)."""
+        if header.type == ERROR:
+            self._on_error_frame(peer, header, payload)
+            return False
+        if not self._matches(op, peer, header):
+            return False
+
+        def consume() -> list[Send]:
+            target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
+            np.frombuffer(memoryview(target).cast("B"), np.uint8)[:] = np.frombuffer(payload, np.uint8)
+            return op.algo.on_message(peer, header.step, header.seg, target)
+
+        return self._guarded(op, consume)
+
+    def _matches(self, op: Operation, peer: int, header: Header) -> bool:
+        if header.desc == op.desc:
+            return True
+        self._fail_everywhere(op, MismatchError(
+            f"{op.label}: rank {self.rank} posted {describe(op.desc)} but rank {peer} posted "
+            f"{describe(header.desc)}"))  # fmt: skip
+        return False
+
+    def _on_error_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        cls = _ERROR_KINDS.get(header.seg, BrokenError)
+        error = cls(f"{bytes(payload).decode(errors='replace')} (reported by rank {peer})")
+        op = self._ops.get(header.key)
+        if op is not None:
+            self._fail(op, error)
+        else:
+            self._remember_failed(header.key, error)
+
+    def on_sent(self, token: object) -> None:
+        if isinstance(token, Operation):
+            token.unsent -= 1
+            self._maybe_complete(token)
+
+    def on_peer_lost(self, peer: int, error: BaseException) -> None:
+        with self._lock:
+            closing = self._closed
+        if not closing:
+            self._break(BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})"))
+
+
+def _same_error(error: BaseException, message: str) -> BaseException:
+    """A new exception of the same class as ``error`` with ``message``, chained to it."""
+    new = type(error)(message)
+    new.__cause__ = error
+    return new

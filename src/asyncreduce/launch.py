@@ -1,0 +1,298 @@
+"""Local launcher: ``asyncreduce run -n N prog.py args...`` on one machine.
+
+Theory of operation
+-------------------
+``run`` starts ``N`` copies of one program, rank ``0 … N-1``, each told who it is through the
+environment that ``asyncreduce.init()`` (and torchrun-style code) reads: ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+``PYTHONUNBUFFERED=1``. A program whose name ends in ``.py`` runs under this interpreter
+(``sys.executable``); anything else runs as a command found on ``PATH``. When no port is given
+the launcher picks a free one (bind to port 0, read it, close: another process can take it in
+between, so pass ``master_port`` where that matters). Children read no input (stdin is
+``/dev/null``).
+
+Each child is the leader of its own session and process group, so signals from the terminal
+reach only the launcher, and the launcher can signal a rank together with whatever it started
+(``os.killpg``). Two threads per rank copy its stdout and stderr line by line to ours, each line
+prefixed with ``[rank] ``, under one lock, flushed at once: lines never interleave.
+
+The main thread polls the children every few milliseconds:
+
+* every rank exited 0: return 0;
+* a rank exited non-zero (killed by signal ``S`` counts as ``128 + S``): say so on stderr,
+  stop the others (``SIGTERM``, then ``SIGKILL`` after ``grace`` seconds) and return that first
+  failing rank's code;
+* the launcher got ``SIGINT`` (Ctrl-C) or ``SIGTERM``: forward it to every rank, then escalate
+  (``SIGTERM``, ``SIGKILL``) each ``grace`` seconds, and return ``128 + signal`` (130 for
+  Ctrl-C). A second signal while stopping escalates straight to ``SIGKILL``.
+
+Whatever happens (even an exception), ``run`` kills and reaps every child and sweeps each
+rank's process group before it returns: no child is ever left running. Signal handlers are
+installed only when ``run`` is called from the main thread, and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, TextIO
+
+from asyncreduce.errors import UsageError
+
+__all__ = ["run", "program_command", "child_env", "free_port", "exit_code"]
+
+_POLL_S = 0.01
+_DRAIN_S = 0.5
+_SAY = "asyncreduce run: "
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+def run(
+    nprocs: int,
+    argv: Sequence[str],
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    grace: float = 3.0,
+) -> int:
+    """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc)."""
+    if nprocs < 1:
+        raise UsageError(f"nprocs must be >= 1, got {nprocs}")
+    if not argv:
+        raise UsageError("no program to run: argv is empty")
+    if grace < 0:
+        raise UsageError(f"grace must be >= 0 seconds, got {grace}")
+    port = free_port(master_addr) if master_port is None else master_port
+    job = _Job(grace)
+    with _catching_signals(job.signals):
+        try:
+            job.start(program_command(argv), nprocs, master_addr, port)
+        except OSError as exc:
+            job.say(f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+            job.reap()
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        try:
+            return job.supervise()
+        finally:
+            job.reap()
+
+
+def program_command(argv: Sequence[str]) -> list[str]:
+    """The command line for one rank: ``prog.py args`` runs under ``sys.executable``."""
+    if argv[0].endswith(".py"):
+        return [sys.executable, *argv]
+    return list(argv)
+
+
+def child_env(rank: int, nprocs: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """Our environment plus what tells a rank who it is and where rank 0 listens."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def free_port(master_addr: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on every interface of ``master_addr``'s family."""
+    family = socket.getaddrinfo(master_addr, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: a child killed by signal ``S`` (``-S`` in Popen) is ``128 + S``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@contextlib.contextmanager
+def _catching_signals(received: list[int]) -> Iterator[None]:
+    """Record SIGINT/SIGTERM in ``received`` instead of dying (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in _FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the rank's whole process group (it leads it: pgid == pid)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def drain(self, timeout: float) -> None:
+        """Wait (a little) until the rank's output has been copied."""
+        deadline = time.monotonic() + timeout
+        for pump in self.pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Job:
+    """The ranks of one ``run`` call, their output pumps and the signals we received."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.ranks: list[_Rank] = []
+        self.signals: list[int] = []
+        self.out_lock = threading.Lock()
+
+    def start(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
+        for rank in range(nprocs):
+            proc = subprocess.Popen(
+                command,
+                env=child_env(rank, nprocs, master_addr, master_port),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            member = _Rank(rank, proc)
+            self.ranks.append(member)
+            assert proc.stdout is not None and proc.stderr is not None
+            member.pumps.append(self._pump(rank, proc.stdout, sys.stdout))
+            member.pumps.append(self._pump(rank, proc.stderr, sys.stderr))
+
+    def _pump(self, rank: int, pipe: IO[bytes], out: TextIO) -> threading.Thread:
+        prefix = f"[{rank}] ".encode()
+        name = f"asyncreduce-run-{rank}-{'out' if out is sys.stdout else 'err'}"
+        thread = threading.Thread(
+            target=_copy_lines, args=(pipe, out, prefix, self.out_lock), name=name, daemon=True
+        )
+        thread.start()
+        return thread
+
+    def say(self, message: str) -> None:
+        """One line from the launcher itself, on stderr."""
+        _write(sys.stderr, (_SAY + message + "\n").encode(), self.out_lock)
+
+    def supervise(self) -> int:
+        """Poll until every rank succeeded, one failed, or we were signalled."""
+        while True:
+            if self.signals:
+                return self._interrupted(self.signals[0])
+            failed = self._first_failure()
+            if failed is not None:
+                return self._failed(failed)
+            if not any(member.running() for member in self.ranks):
+                return 0
+            time.sleep(_POLL_S)
+
+    def _first_failure(self) -> _Rank | None:
+        for member in self.ranks:
+            if member.proc.poll() not in (None, 0):
+                return member
+        return None
+
+    def _failed(self, member: _Rank) -> int:
+        code = exit_code(member.proc.returncode)
+        member.drain(_DRAIN_S)
+        how = f" (killed by {signal.Signals(-member.proc.returncode).name})" if code > 128 else ""
+        others = any(other.running() for other in self.ranks)
+        tail = "; stopping the other ranks" if others else ""
+        self.say(f"rank {member.rank} exited with code {code}{how}{tail}")
+        self._stop([signal.SIGTERM, signal.SIGKILL], calm=len(self.signals))
+        return code
+
+    def _interrupted(self, sig: int) -> int:
+        name = signal.Signals(sig).name
+        self.say(f"got {name}; forwarding it to every rank")
+        self._stop([sig, *(s for s in (signal.SIGTERM, signal.SIGKILL) if s != sig)], calm=1)
+        return 128 + sig
+
+    def _stop(self, steps: Sequence[int], calm: int) -> None:
+        """Send each signal in turn to the running ranks, ``grace`` seconds apart.
+
+        Once the launcher has got more than ``calm`` signals (a second Ctrl-C), skip straight
+        to the last step.
+        """
+        for sig in steps[:-1]:
+            self._signal_running(sig)
+            if self._wait_exit(time.monotonic() + self.grace, calm):
+                return
+            if len(self.signals) > calm:
+                break
+        self._signal_running(steps[-1])
+
+    def _signal_running(self, sig: int) -> None:
+        for member in self.ranks:
+            if member.running():
+                member.signal_group(sig)
+
+    def _wait_exit(self, deadline: float, calm: int) -> bool:
+        """True once every rank exited; False at ``deadline`` or when a new signal came."""
+        while any(member.running() for member in self.ranks):
+            if time.monotonic() >= deadline or len(self.signals) > calm:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def reap(self) -> None:
+        """Kill and reap every child, sweep their groups, and finish copying their output."""
+        for member in self.ranks:
+            if member.running():
+                member.signal_group(signal.SIGKILL)
+            member.proc.wait()
+        for member in self.ranks:
+            member.signal_group(signal.SIGKILL)  # whatever a rank started and left behind
+        for member in self.ranks:
+            member.drain(_DRAIN_S)
+
+
+def _copy_lines(pipe: IO[bytes], out: TextIO, prefix: bytes, lock: threading.Lock) -> None:
+    """Copy whole lines from ``pipe`` to ``out``, prefixed; keep draining if ``out`` breaks."""
+    broken = False
+    with pipe:
+        for line in pipe:
+            if broken:
+                continue
+            try:
+                _write(out, prefix + (line if line.endswith(b"\n") else line + b"\n"), lock)
+            except (OSError, ValueError):
+                broken = True  # our stdout is gone (closed pipe): never block the child
+
+
+def _write(out: TextIO, data: bytes, lock: threading.Lock) -> None:
+    """Write bytes to a text stream, through its binary buffer when it has one; flush."""
+    with lock:
+        buffer = getattr(out, "buffer", None)
+        if buffer is None:
+            out.write(data.decode(errors="replace"))
+            out.flush()
+        else:
+            out.flush()  # whatever was written as text goes first
+            buffer.write(data)
+            buffer.flush()

@@ -1,0 +1,128 @@
+"""Requests: the handle every non-blocking call returns, a ``concurrent.futures.Future``.
+
+A request is created running (it cannot be cancelled: a collective in flight on other ranks
+cannot be taken back) and completed only by the progress engine. ``wait``/``test`` are the MPI
+spellings of ``result``/``done``; ``await request`` works from asyncio.
+
+Done-callbacks never run on the progress thread: they are handed to a ``CallbackRunner``, one
+small thread per communicator, so a callback may block or post new operations without
+stalling communication. An exception in a callback is logged, never propagated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Request", "CallbackRunner", "wait_all", "wait_any"]
+
+log = logging.getLogger("asyncreduce")
+T = TypeVar("T")
+_STOP = object()
+
+
+class CallbackRunner:
+    """Runs done-callbacks in order on one lazily started thread."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[[Any], object], arg: Any) -> None:
+        with self._lock:
+            inline = self._closed
+            if not inline and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            if not inline:
+                self._queue.put((fn, arg))
+        if inline:
+            _call(fn, arg)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            _call(*item)
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (not waiting for it from inside itself)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(_STOP)
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+def _call(fn: Callable[[Any], object], arg: Any) -> None:
+    try:
+        fn(arg)
+    except Exception:
+        log.exception("exception in a request's done-callback %r", fn)
+
+
+class Request(concurrent.futures.Future[T], Generic[T]):
+    """The pending result of one operation (see the module docstring)."""
+
+    def __init__(self, label: str, runner: CallbackRunner) -> None:
+        super().__init__()
+        self.label = label
+        self._runner = runner
+        self.set_running_or_notify_cancel()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """The result, once the operation completes; raises its error, or TimeoutError."""
+        try:
+            return self.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.done():
+                raise  # the operation itself timed out
+            raise TimeoutError(
+                f"{self.label} not complete after {timeout} s; it goes on (wait again, or pass "
+                "timeout= to the call to make the operation itself give up)"
+            ) from None
+
+    def test(self) -> bool:
+        """True once the operation has completed (successfully or not); never blocks."""
+        return self.done()
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
+        """Call ``fn(request)`` once done, on the communicator's callback thread."""
+        super().add_done_callback(lambda f: self._runner.submit(fn, f))
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return asyncio.wrap_future(self).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<Request {self.label} {state}>"
+
+
+def wait_all(requests: Iterable[Request[Any]], timeout: float | None = None) -> list[Any]:
+    """Wait for every request (within ``timeout`` seconds overall); return their results."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    results = []
+    for req in requests:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        results.append(req.wait(remaining))
+    return results
+
+
+def wait_any(requests: Sequence[Request[Any]], timeout: float | None = None) -> tuple[int, Any]:
+    """Wait until one request completes; return (its index, its result)."""
+    if not requests:
+        raise ValueError("wait_any needs at least one request")
+    done, _ = concurrent.futures.wait(requests, timeout, concurrent.futures.FIRST_COMPLETED)
+    if not done:
+        raise TimeoutError(f"none of {len(requests)} requests completed within {timeout} s")
+    index = next(i for i, r in enumerate(requests) if r in done)
+    return index, requests[index].wait()

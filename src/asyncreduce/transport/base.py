@@ -1,0 +1,56 @@
+"""What every transport offers the engine, and what the engine offers back.
+
+A transport moves frames between ranks and nothing else: it knows no operations. The engine's
+thread is the only caller of every method but ``wakeup`` (any thread may call that one), so a
+transport needs no locks. Received frames are handed to a ``FrameSink``: the transport first
+asks where the payload should go (so it can land straight in its final place), then reports
+the complete frame. Frames to one peer leave in priority order (highest first, then in order
+of sending) and never interleave below frame granularity; a peer that fails is reported once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from .frame import Header
+
+__all__ = ["FrameSink", "Transport"]
+
+
+class FrameSink(Protocol):
+    def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
+        """A writable byte buffer of exactly ``header.payload_len`` bytes, or None for a new one."""
+
+    def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        """A complete frame from ``peer``; ``payload`` is the buffer given by frame_buffer."""
+
+    def on_sent(self, token: object) -> None:
+        """The frame sent with ``token`` has left this process (its payload may be reused)."""
+
+    def on_peer_lost(self, peer: int, error: BaseException) -> None:
+        """The connection to ``peer`` is gone (closed, reset, or a frame broke the protocol)."""
+
+
+class Transport(ABC):
+    """Framed, ordered, prioritised messages to every other rank of one communicator."""
+
+    @abstractmethod
+    def send(self, peer: int, head: bytes, payload: memoryview, priority: int, token: object) -> None:
+        """Queue one frame (``head`` = header and name bytes) for ``peer``; never blocks."""
+
+    @abstractmethod
+    def poll(self, timeout: float | None) -> None:
+        """Move bytes for up to ``timeout`` seconds, calling the sink; returns early on wakeup."""
+
+    @abstractmethod
+    def wakeup(self) -> None:
+        """Make a ``poll`` in progress return soon. Safe from any thread."""
+
+    @abstractmethod
+    def drop(self, token: object) -> None:
+        """Forget the frames with ``token`` that have not started to leave."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every connection and descriptor this transport owns."""

@@ -1,0 +1,110 @@
+"""The frame: what travels between ranks, and the checks it passes before anything trusts it.
+
+Layout (little-endian), then ``name_len`` bytes of operation name, then ``payload_len`` bytes:
+
+    magic "ARDC" | version u8 | type u8 | name_len u16 | step u32 | seg u32 | instance u64 |
+    payload_len u64 | kind u8 | dtype u8 | reduce u8 | reserved u8 | root u32 | count u64
+
+``(name, instance)`` is the operation key; ``(step, seg)`` names the message inside the
+operation; ``(kind, dtype, reduce, root, count)`` describes the operation so a receiver can
+tell at once whether both sides posted the same thing. A DATA frame carries a piece of the
+operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
+receiver too. Every field is checked against its bounds by ``parse_header`` before use.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "DATA",
+    "ERROR",
+    "Descriptor",
+    "FrameError",
+    "Header",
+    "HEADER",
+    "MAX_NAME_BYTES",
+    "MAX_PAYLOAD_BYTES",
+    "MAX_ERROR_BYTES",
+    "pack_header",
+    "parse_header",
+]
+
+MAGIC: Final = b"ARDC"
+VERSION: Final = 1
+DATA: Final = 1
+ERROR: Final = 2
+HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
+MAX_NAME_BYTES: Final = 1024
+MAX_PAYLOAD_BYTES: Final = 1 << 30
+MAX_ERROR_BYTES: Final = 64 << 10
+MAX_STEP: Final = 1 << 20
+_KIND_CODES: Final = range(1, 6)
+_DTYPE_CODES: Final = range(1, 8)
+_REDUCE_CODES: Final = range(0, 6)
+
+
+class FrameError(Exception):
+    """A frame that breaks the protocol: the connection it came on can no longer be trusted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """What every rank must agree on for one operation (wire codes)."""
+
+    kind: int
+    dtype: int
+    reduce: int
+    root: int
+    count: int
+
+
+@dataclass(slots=True)
+class Header:
+    type: int
+    name: bytes
+    instance: int
+    step: int
+    seg: int
+    payload_len: int
+    desc: Descriptor
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return (self.name, self.instance)
+
+
+def pack_header(
+    ftype: int, name: bytes, instance: int, step: int, seg: int, payload_len: int, desc: Descriptor
+) -> bytes:
+    """The header and name bytes of one frame."""
+    fixed = HEADER.pack(
+        MAGIC, VERSION, ftype, len(name), step, seg, instance, payload_len,
+        desc.kind, desc.dtype, desc.reduce, 0, desc.root, desc.count,
+    )  # fmt: skip
+    return fixed + name
+
+
+def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
+    """Check the fixed part of a header; return (name_len, header with the name still empty)."""
+    (magic, version, ftype, name_len, step, seg, instance, payload_len,
+     kind, dtype, reduce, _reserved, root, count) = HEADER.unpack(fixed)  # fmt: skip
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
+    if version != VERSION:
+        raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
+    if ftype not in (DATA, ERROR):
+        raise FrameError(f"unknown frame type {ftype}")
+    if name_len > MAX_NAME_BYTES:
+        raise FrameError(f"operation name of {name_len} bytes (at most {MAX_NAME_BYTES})")
+    limit = MAX_ERROR_BYTES if ftype == ERROR else MAX_PAYLOAD_BYTES
+    if payload_len > limit:
+        raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
+    if step >= MAX_STEP or seg >= MAX_STEP:
+        raise FrameError(f"step {step} / segment {seg} out of range")
+    if kind not in _KIND_CODES or dtype not in _DTYPE_CODES or reduce not in _REDUCE_CODES:
+        raise FrameError(f"unknown operation codes kind={kind} dtype={dtype} reduce={reduce}")
+    desc = Descriptor(kind, dtype, reduce, root, count)
+    return name_len, Header(ftype, b"", instance, step, seg, payload_len, desc)

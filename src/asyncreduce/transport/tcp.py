@@ -1,0 +1,395 @@
+"""TCP transport: one connection per pair of ranks, driven by one selector loop.
+
+Theory of operation. ``connect_mesh`` builds the full mesh once: every rank listens, publishes
+its address through the rendezvous store, connects to every lower rank and accepts every
+higher one. Each connection opens with a HELLO (magic, version, rank, world size, job token)
+that the acceptor checks and echoes; anything else is dropped.
+
+``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
+queues the rest; a peer's queue is a heap on (-priority, order), so a frame of a more urgent
+operation overtakes queued ones at frame granularity. Header and payload leave in one
+``sendmsg``. Receiving reads headers through a small staging buffer (several small frames per
+``recv``); once a header is checked, the payload is received straight into the buffer the sink
+names, usually its final place. EOF, a reset, or a frame that breaks the protocol ends that
+connection and is reported once.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import selectors
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from .base import FrameSink, Transport
+from .frame import HEADER, FrameError, Header, parse_header
+
+__all__ = ["TcpTransport", "connect_mesh", "HELLO"]
+
+log = logging.getLogger("asyncreduce.transport")
+
+HELLO = struct.Struct("<4sBII16s")
+_HELLO_MAGIC = b"ARDH"
+_STAGE_BYTES = 64 << 10
+_READS_PER_EVENT = 64
+_SOCKET_BUFFER = 4 << 20
+
+
+@dataclass(order=True)
+class _Out:
+    """One queued frame; ``sent`` bytes of head+payload have left already."""
+
+    rank: tuple[int, int]
+    head: bytes = field(compare=False)
+    payload: memoryview = field(compare=False)
+    token: object = field(compare=False)
+    sent: int = field(default=0, compare=False)
+
+    def remaining(self) -> list[memoryview | bytes]:
+        h = len(self.head)
+        if self.sent < h:
+            return [self.head[self.sent :], self.payload]
+        return [self.payload[self.sent - h :]]
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + len(self.payload)
+
+
+class _Peer:
+    """One connection: its send queue and where its receive state machine stands."""
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.queue: list[_Out] = []
+        self.current: _Out | None = None
+        self.writing = False
+        self.stage = bytearray(_STAGE_BYTES)
+        self.stage_view = memoryview(self.stage)
+        self.lo = 0  # staged bytes not yet parsed: stage[lo:hi]
+        self.hi = 0
+        self.header: Header | None = None
+        self.name_len = 0
+        self.payload: memoryview | None = None
+        self.filled = 0
+
+
+class TcpTransport(Transport):
+    """Frames over one TCP connection per peer (see the module docstring)."""
+
+    def __init__(self, rank: int, sockets: dict[int, socket.socket], sink: FrameSink) -> None:
+        self.rank = rank
+        self.sink = sink
+        self._selector = selectors.DefaultSelector()
+        self._order = itertools.count()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._peers: dict[int, _Peer] = {}
+        for peer_rank, sock in sockets.items():
+            sock.setblocking(False)
+            peer = _Peer(peer_rank, sock)
+            self._peers[peer_rank] = peer
+            self._selector.register(sock, selectors.EVENT_READ, peer)
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def send(self, peer: int, head: bytes, payload: memoryview, priority: int, token: object) -> None:
+        target = self._peers.get(peer)
+        if target is None:
+            raise KeyError(f"rank {peer} is not connected")
+        heapq.heappush(target.queue, _Out((-priority, next(self._order)), head, payload, token))
+        if target.current is None:
+            self._flush(target)
+
+    def _flush(self, peer: _Peer) -> None:
+        while True:
+            if peer.current is None:
+                if not peer.queue:
+                    self._want_write(peer, False)
+                    return
+                peer.current = heapq.heappop(peer.queue)
+            out = peer.current
+            try:
+                n = peer.sock.sendmsg(out.remaining())
+            except (BlockingIOError, InterruptedError):
+                self._want_write(peer, True)
+                return
+            except OSError as exc:
+                self._lose(peer, exc)
+                return
+            out.sent += n
+            if out.sent == out.size:
+                peer.current = None
+                self.sink.on_sent(out.token)
+
+    def _want_write(self, peer: _Peer, on: bool) -> None:
+        if peer.writing != on and peer.rank in self._peers:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+            self._selector.modify(peer.sock, events, peer)
+            peer.writing = on
+
+    def drop(self, token: object) -> None:
+        for peer in self._peers.values():
+            kept = [out for out in peer.queue if out.token is not token]
+            if len(kept) != len(peer.queue):
+                heapq.heapify(kept)
+                peer.queue = kept
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    def _on_readable(self, peer: _Peer) -> None:
+        try:
+            for _ in range(_READS_PER_EVENT):
+                if not self._read_once(peer):
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, FrameError) as exc:
+            self._lose(peer, exc)
+
+    def _read_once(self, peer: _Peer) -> bool:
+        """One recv; returns False when the socket has nothing more (or the peer is gone)."""
+        if peer.payload is not None:
+            n = peer.sock.recv_into(peer.payload[peer.filled :])
+            if n == 0:
+                raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
+            peer.filled += n
+            if peer.filled == len(peer.payload):
+                self._deliver(peer)
+            return True
+        if peer.lo == peer.hi:
+            peer.lo = peer.hi = 0
+        elif peer.hi == len(peer.stage):
+            peer.stage[: peer.hi - peer.lo] = peer.stage[peer.lo : peer.hi]
+            peer.hi -= peer.lo
+            peer.lo = 0
+        n = peer.sock.recv_into(peer.stage_view[peer.hi :])
+        if n == 0:
+            raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
+        peer.hi += n
+        self._parse_staged(peer)
+        return peer.rank in self._peers
+
+    def _parse_staged(self, peer: _Peer) -> None:
+        """Take every complete header out of the staging buffer, and what payload follows it."""
+        while peer.payload is None:
+            available = peer.hi - peer.lo
+            if peer.header is None:
+                if available < HEADER.size:
+                    return
+                peer.name_len, peer.header = parse_header(peer.stage_view[peer.lo : peer.lo + HEADER.size])
+                peer.lo += HEADER.size
+                continue
+            if peer.name_len:
+                if available < peer.name_len:
+                    return
+                peer.header.name = bytes(peer.stage_view[peer.lo : peer.lo + peer.name_len])
+                peer.lo += peer.name_len
+                peer.name_len = 0
+                continue
+            self._start_payload(peer)
+
+    def _start_payload(self, peer: _Peer) -> None:
+        assert peer.header is not None
+        size = peer.header.payload_len
+        dest = self.sink.frame_buffer(peer.rank, peer.header)
+        if dest is None:
+            dest = memoryview(bytearray(size))
+        elif len(dest) != size:
+            raise FrameError(f"rank {peer.rank} sent {size} bytes where {len(dest)} were expected")
+        take = min(size, peer.hi - peer.lo)
+        dest[:take] = peer.stage_view[peer.lo : peer.lo + take]
+        peer.lo += take
+        peer.payload, peer.filled = dest, take
+        if take == size:
+            self._deliver(peer)
+
+    def _deliver(self, peer: _Peer) -> None:
+        header, payload = peer.header, peer.payload
+        assert header is not None and payload is not None
+        peer.header, peer.payload, peer.filled = None, None, 0
+        self.sink.on_frame(peer.rank, header, payload)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def poll(self, timeout: float | None) -> None:
+        for key, events in self._selector.select(timeout):
+            peer = key.data
+            if peer is None:
+                self._drain_wakeups()
+                continue
+            if events & selectors.EVENT_WRITE and peer.rank in self._peers:
+                self._flush(peer)
+            if events & selectors.EVENT_READ and peer.rank in self._peers:
+                self._on_readable(peer)
+
+    def wakeup(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already pending, or closing
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _lose(self, peer: _Peer, error: BaseException) -> None:
+        if self._peers.pop(peer.rank, None) is None:
+            return
+        self._selector.unregister(peer.sock)
+        peer.sock.close()
+        peer.queue.clear()
+        peer.current = None
+        self.sink.on_peer_lost(peer.rank, error)
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._selector.unregister(peer.sock)
+            peer.sock.close()
+        self._peers.clear()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+# ---- building the mesh ---------------------------------------------------------------------
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during handshake")
+        data += chunk
+    return data
+
+
+def _hello(rank: int, world_size: int, token: bytes) -> bytes:
+    return HELLO.pack(_HELLO_MAGIC, 1, rank, world_size, token)
+
+
+def _check_hello(data: bytes, world_size: int, token: bytes) -> int:
+    magic, version, rank, size, their_token = HELLO.unpack(data)
+    if magic != _HELLO_MAGIC or version != 1:
+        raise ConnectionError("not an asyncreduce peer")
+    if size != world_size or their_token != token or not 0 <= rank < world_size:
+        raise ConnectionError(f"peer claims rank {rank} of {size} in another job")
+    return int(rank)
+
+
+def connect_mesh(
+    rank: int,
+    world_size: int,
+    listener: socket.socket,
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    deadline: float,
+) -> dict[int, socket.socket]:
+    """Connect to every lower rank, accept every higher one; return {peer rank: socket}.
+
+    ``listener`` is this rank's listening socket, already published as ``addresses[rank]``.
+    Raises TimeoutError naming the ranks that never connected.
+    """
+    socks: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            socks[peer] = _dial(rank, world_size, peer, addresses[peer], token, deadline)
+        _accept_higher(rank, world_size, listener, token, deadline, socks)
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
+    return socks
+
+
+def _dial(
+    rank: int, world_size: int, peer: int, address: tuple[str, int], token: bytes, deadline: float
+) -> socket.socket:
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(address)
+            sock.sendall(_hello(rank, world_size, token))
+            if _check_hello(_recv_exact(sock, HELLO.size, deadline), world_size, token) != peer:
+                raise ConnectionError(f"{address} is not rank {peer}")
+            return sock
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {rank} could not connect to rank {peer} at {address}") from exc
+            time.sleep(0.05)
+        except TimeoutError as exc:
+            sock.close()
+            raise TimeoutError(f"rank {rank} could not connect to rank {peer} at {address}") from exc
+        except BaseException:
+            sock.close()
+            raise
+
+
+def _accept_higher(
+    rank: int,
+    world_size: int,
+    listener: socket.socket,
+    token: bytes,
+    deadline: float,
+    socks: dict[int, socket.socket],
+) -> None:
+    expected = set(range(rank + 1, world_size))
+    while expected:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = ", ".join(map(str, sorted(expected)))
+            raise TimeoutError(f"rank {rank}: ranks {missing} never connected")
+        listener.settimeout(remaining)
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        _admit(sock, rank, world_size, token, min(deadline, time.monotonic() + 5.0), expected, socks)
+
+
+def _admit(
+    sock: socket.socket,
+    rank: int,
+    world_size: int,
+    token: bytes,
+    deadline: float,
+    expected: set[int],
+    socks: dict[int, socket.socket],
+) -> None:
+    """Read and check a HELLO; keep the connection if it is an expected peer, else drop it."""
+    try:
+        _tune(sock)
+        peer = _check_hello(_recv_exact(sock, HELLO.size, deadline), world_size, token)
+        if peer not in expected:
+            raise ConnectionError(f"unexpected rank {peer}")
+        sock.sendall(_hello(rank, world_size, token))
+    except (OSError, struct.error) as exc:
+        log.warning("rank %d dropped an incoming connection: %s", rank, exc)
+        sock.close()
+        return
+    expected.discard(peer)
+    socks[peer] = sock
+
+

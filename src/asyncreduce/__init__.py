@@ -1,10 +1,10 @@
 """asyncreduce: asynchronous, thread-safe collectives (allreduce first) for data-parallel training.
 
-    import asyncreduce as ar
-    with ar.init() as comm:                # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        req = comm.iallreduce(x, op="sum", name="grad")
-        ...                                # compute while it runs
-        req.wait()                         # x now holds the sum over all ranks
+import asyncreduce as ar
+with ar.init() as comm:                # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    req = comm.iallreduce(x, op="sum", name="grad")
+    ...                                # compute while it runs
+    req.wait()                         # x now holds the sum over all ranks
 """
 
 from .comm import Communicator, init

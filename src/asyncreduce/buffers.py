@@ -53,7 +53,9 @@ def as_buffer(x: Any, what: str, *, inplace: bool = True) -> Buffer:
 def _dtype_of(np_dtype: np.dtype[Any], what: str) -> DType:
     found = DTYPES.get(np_dtype.name) if np_dtype.isnative or np_dtype.itemsize == 1 else None
     if found is None or found.name == "bfloat16":
-        raise UsageError(f"{what} has dtype {np_dtype}; supported: {_SUPPORTED} (bfloat16 as torch)")
+        raise UsageError(
+            f"{what} has dtype {np_dtype}; supported: {_SUPPORTED} (bfloat16 as torch)"
+        )
     return found
 
 
@@ -75,15 +77,16 @@ def _torch(t: Any, what: str, inplace: bool) -> Buffer:
     if not t.is_contiguous():
         raise UsageError(f"{what} is not contiguous; pass {what}.contiguous() instead")
     data = t.detach() if inplace else t.detach().clone()
+    original = t if inplace else data
     if data.dtype == torch.bfloat16:
         flat = data.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-        return Buffer(data, flat, tuple(t.shape), DTYPES["bfloat16"], _bf16_tensor)
+        return Buffer(original, flat, tuple(t.shape), DTYPES["bfloat16"], _bf16_tensor)
     try:
         array_view = data.numpy()
     except TypeError as exc:
         raise UsageError(f"{what} has dtype {t.dtype}; supported: {_SUPPORTED}") from exc
     dtype = _dtype_of(array_view.dtype, what)
-    return Buffer(data, array_view.reshape(-1), tuple(t.shape), dtype, torch.from_numpy)
+    return Buffer(original, array_view.reshape(-1), tuple(t.shape), dtype, torch.from_numpy)
 
 
 def _bf16_tensor(a: Array) -> Any:
@@ -96,7 +99,9 @@ def _buffer(x: Any, view: memoryview, what: str, inplace: bool) -> Buffer:
     if not view.c_contiguous:
         raise UsageError(f"{what} is a non-contiguous buffer; copy it into a contiguous one")
     if inplace and view.readonly:
-        raise UsageError(f"{what} is read-only ({type(x).__name__}); pass a writable buffer or inplace=False")
+        raise UsageError(
+            f"{what} is read-only ({type(x).__name__}); pass a writable buffer or inplace=False"
+        )
     arr = np.asarray(view)
     dtype = _dtype_of(arr.dtype, what)
     if inplace:
@@ -107,5 +112,9 @@ def _buffer(x: Any, view: memoryview, what: str, inplace: bool) -> Buffer:
         data = array.array(x.typecode, x)
     else:
         data = arr.copy()
-    flat = np.asarray(memoryview(data)).reshape(-1) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    flat = (
+        np.asarray(memoryview(data)).reshape(-1)
+        if not isinstance(data, np.ndarray)
+        else data.reshape(-1)
+    )
     return Buffer(data, flat, arr.shape, dtype, lambda a: a)

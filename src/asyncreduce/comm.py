@@ -70,8 +70,12 @@ class Communicator:
         """Start copying ``x`` of rank ``root`` into ``x`` of every rank."""
         buf = as_buffer(x, "x", inplace=inplace)
         if not (isinstance(root, int) and 0 <= root < self.world_size):
-            raise UsageError(f"root={root!r} is not a rank of this communicator (0..{self.world_size - 1})")
-        return self._post("broadcast", buf, lambda: buf.original, None, root, name, priority, timeout)
+            raise UsageError(
+                f"root={root!r} is not a rank of this communicator (0..{self.world_size - 1})"
+            )
+        return self._post(
+            "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
+        )
 
     def broadcast(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
         """``ibroadcast(...).wait()``."""
@@ -85,7 +89,9 @@ class Communicator:
         out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
         out.reshape(self.world_size, -1)[self.rank] = buf.flat
         gathered = Buffer(out, out.reshape(-1), out.shape, buf.dtype, buf.like)
-        return self._post("allgather", gathered, lambda: buf.like(out), None, 0, name, priority, timeout)
+        return self._post(
+            "allgather", gathered, lambda: buf.like(out), None, 0, name, priority, timeout
+        )
 
     def allgather(self, x: Any, **kwargs: Any) -> Any:
         """``iallgather(...).wait()``."""
@@ -105,7 +111,9 @@ class Communicator:
             )
         block = (buf.shape[0] // self.world_size, *buf.shape[1:])
         mine = buf.flat.reshape(self.world_size, -1)[self.rank].reshape(block)
-        return self._post("reduce_scatter", buf, lambda: buf.like(mine), op, 0, name, priority, timeout)
+        return self._post(
+            "reduce_scatter", buf, lambda: buf.like(mine), op, 0, name, priority, timeout
+        )
 
     def reduce_scatter(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
         """``ireduce_scatter(...).wait()``."""
@@ -133,7 +141,10 @@ class Communicator:
         return self
 
     def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -146,7 +157,9 @@ class Communicator:
         if op not in REDUCTIONS:
             raise UsageError(f"op={op!r} is not a reduction; use one of {', '.join(REDUCTIONS)}")
         if op == "avg" and not buf.dtype.is_float:
-            raise UsageError(f"op='avg' needs a floating dtype, x is {buf.dtype.name}; use 'sum' and divide")
+            raise UsageError(
+                f"op='avg' needs a floating dtype, x is {buf.dtype.name}; use 'sum' and divide"
+            )
 
     def _next_key(self, name: str | None) -> tuple[bytes, int]:
         if name is not None and (not isinstance(name, str) or not name):
@@ -166,7 +179,9 @@ class Communicator:
         if not isinstance(priority, int):
             raise UsageError(f"priority must be an int, got {priority!r}")
         if timeout is not None and not timeout > 0:
-            raise UsageError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+            raise UsageError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
         if self._closed:
             from .errors import ClosedError
 
@@ -194,7 +209,9 @@ def _env_int(*names: str) -> int | None:
             try:
                 return int(os.environ[n])
             except ValueError:
-                raise UsageError(f"environment variable {n}={os.environ[n]!r} is not an integer") from None
+                raise UsageError(
+                    f"environment variable {n}={os.environ[n]!r} is not an integer"
+                ) from None
     return None
 
 
@@ -228,9 +245,15 @@ def init(
     Raises TimeoutError naming the ranks that did not join within ``timeout`` seconds.
     """
     rank = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    world_size = (
+        world_size
+        if world_size is not None
+        else _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    )
     if rank is None or world_size is None:
-        raise UsageError("rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE (torchrun, asyncreduce run)")
+        raise UsageError(
+            "rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE (torchrun, asyncreduce run)"
+        )
     if world_size < 1 or not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is not within a world of size {world_size}")
     if world_size == 1:
@@ -250,8 +273,13 @@ def init(
                 store.set("asyncreduce/token", os.urandom(16))
             token = store.get("asyncreduce/token", max(0.001, deadline - time.monotonic()))
             me = f"{host}:{listener.getsockname()[1]}".encode()
-            found = gather(store, "asyncreduce/addr", rank, world_size, me, max(0.001, deadline - time.monotonic()))
-            addresses = [(a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found]
+            # rank 0 serves the store: it waits a little longer, so the others time out on their
+            # own (naming who is missing) instead of seeing the store vanish
+            wait = max(0.001, deadline - time.monotonic()) + (0.5 if rank == 0 else 0.0)
+            found = gather(store, "asyncreduce/addr", rank, world_size, me, wait)
+            addresses = [
+                (a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found
+            ]
             socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
     finally:
         store.close()

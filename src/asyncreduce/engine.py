@@ -36,7 +36,7 @@ from .algorithms import Array, Collective, ProtocolError, Send
 from .errors import BrokenError, ClosedError, MismatchError
 from .request import Request
 from .transport.base import FrameSink, Transport
-from .transport.frame import DATA, ERROR, MAX_ERROR_BYTES, Descriptor, Header, pack_header
+from .transport.frame import DATA, ERROR, GOODBYE, MAX_ERROR_BYTES, Descriptor, Header, pack_header
 
 __all__ = ["Engine", "Operation", "describe"]
 
@@ -44,10 +44,19 @@ log = logging.getLogger("asyncreduce.engine")
 
 Key = tuple[bytes, int]
 _FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
+_LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "reduce_scatter", 5: "barrier"}
-_DTYPE_NAMES = {1: "float16", 2: "float32", 3: "float64", 4: "int32", 5: "int64", 6: "uint8", 7: "bfloat16"}
+_DTYPE_NAMES = {
+    1: "float16",
+    2: "float32",
+    3: "float64",
+    4: "int32",
+    5: "int64",
+    6: "uint8",
+    7: "bfloat16",
+}
 _REDUCE_NAMES = {0: "", 1: "sum", 2: "avg", 3: "max", 4: "min", 5: "prod"}
 
 
@@ -81,13 +90,17 @@ class Operation:
 class Engine(FrameSink):
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
-    def __init__(self, rank: int, world_size: int, make_transport: Callable[[FrameSink], Transport]) -> None:
+    def __init__(
+        self, rank: int, world_size: int, make_transport: Callable[[FrameSink], Transport]
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._lock = threading.Lock()
         self._submitted: deque[Operation | None] = deque()
         self._closed = False
         self._broken: BaseException | None = None
+        self._departed: dict[int, str] = {}  # peers that closed in good order
+        self._stopping = False
         self._ops: dict[Key, Operation] = {}
         self._unexpected: dict[Key, list[tuple[int, Header, memoryview]]] = {}
         self._failed: OrderedDict[Key, BaseException] = OrderedDict()
@@ -95,7 +108,9 @@ class Engine(FrameSink):
         self._deadlines: list[tuple[float, int, Operation]] = []
         self._order = itertools.count()
         self.transport = make_transport(self)
-        self._thread = threading.Thread(target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
+        )
         self._thread.start()
 
     # ---- any thread --------------------------------------------------------------------------
@@ -106,7 +121,11 @@ class Engine(FrameSink):
             if self._closed:
                 raise ClosedError(f"{op.label}: the communicator is closed")
             if self._broken is not None:
-                raise BrokenError(f"{op.label}: the communicator is broken: {self._broken}") from self._broken
+                raise BrokenError(
+                    f"{op.label}: the communicator is broken: {self._broken}"
+                ) from self._broken
+            if self._departed:
+                raise BrokenError(f"{op.label}: {next(iter(self._departed.values()))}")
             self._submitted.append(op)
         self.transport.wakeup()
 
@@ -131,12 +150,24 @@ class Engine(FrameSink):
             while self._take_submitted():
                 self.transport.poll(self._poll_timeout())
                 self._expire()
+            self._say_goodbye()
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
             self._break(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
             self._drain_until_close()
         finally:
             self.transport.close()
+
+    def _say_goodbye(self) -> None:
+        """Closing handshake: GOODBYE to all, then read until every peer has closed too."""
+        self._stopping = True
+        reason = f"rank {self.rank} has closed its communicator"
+        if self._broken is not None:
+            reason += f" (it was broken: {self._broken})"
+        self.transport.send_goodbye(reason.encode()[:MAX_ERROR_BYTES])
+        deadline = time.monotonic() + _LINGER
+        while self.transport.open_peers() and time.monotonic() < deadline:
+            self.transport.poll(max(0.0, deadline - time.monotonic()))
 
     def _drain_until_close(self) -> None:
         while True:
@@ -157,7 +188,9 @@ class Engine(FrameSink):
                 self._close_all()
                 return False
             if self._broken is not None:
-                self._fail(op, BrokenError(f"{op.label}: the communicator is broken: {self._broken}"))
+                self._fail(
+                    op, BrokenError(f"{op.label}: the communicator is broken: {self._broken}")
+                )
             else:
                 self._start(op)
 
@@ -166,7 +199,9 @@ class Engine(FrameSink):
             late = [op for op in self._submitted if op is not None]
             self._submitted.clear()
         for op in list(self._ops.values()) + late:
-            self._fail(op, ClosedError(f"{op.label}: the communicator was closed while it was pending"))
+            self._fail(
+                op, ClosedError(f"{op.label}: the communicator was closed while it was pending")
+            )
 
     def _poll_timeout(self) -> float:
         if not self._deadlines:
@@ -174,6 +209,9 @@ class Engine(FrameSink):
         return min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
 
     def _start(self, op: Operation) -> None:
+        if self._departed:
+            self._fail(op, BrokenError(f"{op.label}: {next(iter(self._departed.values()))}"))
+            return
         earlier = self._failed.get(op.key)
         if earlier is not None:
             self._fail(op, _same_error(earlier, f"{op.label}: {earlier}"))
@@ -204,7 +242,9 @@ class Engine(FrameSink):
         return op.key in self._ops
 
     def _send(self, op: Operation, s: Send) -> None:
-        payload = memoryview(s.payload).cast("B")
+        if s.dst in self._departed:
+            return  # it closed in good order, so it needs nothing more from us
+        payload = _bytes_of(s.payload)
         head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
         op.unsent += 1
         self.transport.send(s.dst, head, payload, op.priority, op)
@@ -240,7 +280,7 @@ class Engine(FrameSink):
             return
         self._fail(op, error)
         message = str(error).encode()[:MAX_ERROR_BYTES]
-        code = _ERROR_CODES.get(type(error), 3)
+        code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
         head = pack_header(ERROR, op.key[0], op.key[1], 0, code, len(message), op.desc)
         for peer in range(self.world_size):
             if peer != self.rank:
@@ -257,10 +297,9 @@ class Engine(FrameSink):
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, op = heapq.heappop(self._deadlines)
             if self._ops.get(op.key) is op:
-                waiting = ", ".join(map(str, sorted(op.algo.pending_sources))) or "none"
                 self._fail_everywhere(op, TimeoutError(
                     f"{op.label} did not complete within its timeout of {op.timeout} s on rank "
-                    f"{self.rank} (still waiting for ranks: {waiting})"))  # fmt: skip
+                    f"{self.rank} (still waiting for {_ranks(op.algo.pending_sources)})"))  # fmt: skip
 
     def _break(self, error: BaseException) -> None:
         with self._lock:
@@ -281,10 +320,15 @@ class Engine(FrameSink):
             self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
             return None
         self._landing[peer] = (op, target)
-        return memoryview(target).cast("B")
+        return _bytes_of(target)
 
     def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
         landed = self._landing.pop(peer, None)
+        if header.type == GOODBYE:
+            self._on_goodbye(peer, bytes(payload).decode(errors="replace"))
+            return
+        if self._stopping:
+            return
         if header.type == ERROR:
             self._on_error_frame(peer, header, payload)
             return
@@ -310,7 +354,7 @@ class Engine(FrameSink):
 
         def consume() -> list[Send]:
             target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
-            np.frombuffer(memoryview(target).cast("B"), np.uint8)[:] = np.frombuffer(payload, np.uint8)
+            np.frombuffer(_bytes_of(target), np.uint8)[:] = np.frombuffer(payload, np.uint8)
             return op.algo.on_message(peer, header.step, header.seg, target)
 
         return self._guarded(op, consume)
@@ -332,6 +376,15 @@ class Engine(FrameSink):
         else:
             self._remember_failed(header.key, error)
 
+    def _on_goodbye(self, peer: int, reason: str) -> None:
+        """``peer`` closed in good order: fail only what still needs it; refuse new posts."""
+        with self._lock:
+            self._departed[peer] = reason
+        for op in list(self._ops.values()):
+            if peer in op.algo.pending_sources:
+                self._fail(op, BrokenError(f"{op.label} still needed rank {peer}, but {reason}"))
+        self.transport.release(peer)
+
     def on_sent(self, token: object) -> None:
         if isinstance(token, Operation):
             token.unsent -= 1
@@ -340,8 +393,23 @@ class Engine(FrameSink):
     def on_peer_lost(self, peer: int, error: BaseException) -> None:
         with self._lock:
             closing = self._closed
-        if not closing:
-            self._break(BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})"))
+        if not closing and peer not in self._departed:
+            self._break(
+                BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})")
+            )
+
+
+def _bytes_of(array: Array) -> memoryview:
+    """The bytes of a contiguous array, writable where the array is."""
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def _ranks(ranks: set[int]) -> str:
+    """``rank 3`` or ``ranks 1, 2`` (or ``no rank``) for messages."""
+    if not ranks:
+        return "no rank"
+    listed = ", ".join(map(str, sorted(ranks)))
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
 
 
 def _same_error(error: BaseException, message: str) -> BaseException:

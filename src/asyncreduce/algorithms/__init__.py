@@ -14,6 +14,7 @@ from .ring import Ring
 from .tree import TreeBroadcast
 
 __all__ = [
+    "Array",
     "Barrier",
     "Collective",
     "DType",
@@ -40,7 +41,13 @@ __all__ = [
 SMALL_ALLREDUCE_BYTES = 64 << 10
 
 #: Operation kinds and their wire codes.
-KINDS: dict[str, int] = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "barrier": 5}
+KINDS: dict[str, int] = {
+    "allreduce": 1,
+    "broadcast": 2,
+    "allgather": 3,
+    "reduce_scatter": 4,
+    "barrier": 5,
+}
 
 
 def _blocks(count: int, parts: int) -> list[tuple[int, int]]:
@@ -71,7 +78,9 @@ def build(
     if kind == "allgather":
         return Ring(rank, world_size, buffer, dtype, None, True, _blocks(buffer.size, world_size))
     if kind == "reduce_scatter":
-        return Ring(rank, world_size, buffer, dtype, reduce_op, False, _blocks(buffer.size, world_size))
+        return Ring(
+            rank, world_size, buffer, dtype, reduce_op, False, _blocks(buffer.size, world_size)
+        )
     if kind == "barrier":
         return Barrier(rank, world_size)
     raise ValueError(f"unknown operation kind {kind!r}; expected one of {sorted(KINDS)}")

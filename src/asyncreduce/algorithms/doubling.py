@@ -24,7 +24,9 @@ __all__ = ["RecursiveDoubling"]
 class RecursiveDoubling(Collective):
     """Allreduce of ``buffer`` in place by recursive doubling."""
 
-    def __init__(self, rank: int, world_size: int, buffer: Array, dtype: DType, reduce_op: str) -> None:
+    def __init__(
+        self, rank: int, world_size: int, buffer: Array, dtype: DType, reduce_op: str
+    ) -> None:
         super().__init__(rank, world_size)
         self.buffer = buffer
         self.dtype = dtype
@@ -56,7 +58,8 @@ class RecursiveDoubling(Collective):
     def pending_sources(self) -> set[int]:
         if self.done:
             return set()
-        return {src for step, src in self._schedule().items() if step not in self._early}
+        waiting = self._schedule().items()
+        return {src for step, src in waiting if step >= self._step and step not in self._early}
 
     def start(self) -> list[Send]:
         if self.world_size == 1:

@@ -16,7 +16,15 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["DType", "DTYPES", "DTYPE_BY_CODE", "REDUCTIONS", "REDUCTION_CODES", "combine", "finalize"]
+__all__ = [
+    "DType",
+    "DTYPES",
+    "DTYPE_BY_CODE",
+    "REDUCTIONS",
+    "REDUCTION_CODES",
+    "combine",
+    "finalize",
+]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,12 @@ class TreeBroadcast(Collective):
     """Broadcast ``buffer`` from ``root`` to every rank, in place."""
 
     def __init__(
-        self, rank: int, world_size: int, buffer: Array, root: int, segment_bytes: int = SEGMENT_BYTES
+        self,
+        rank: int,
+        world_size: int,
+        buffer: Array,
+        root: int,
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         super().__init__(rank, world_size)
         if not 0 <= root < world_size:
@@ -30,7 +35,11 @@ class TreeBroadcast(Collective):
         v = (rank - root) % n
         low = v & -v if v else 1 << n.bit_length()
         self.parent = None if v == 0 else ((v - low) + root) % n
-        self.children = [(v + (1 << i) + root) % n for i in range(n.bit_length()) if (1 << i) < low and v + (1 << i) < n]
+        self.children = [
+            (v + (1 << i) + root) % n
+            for i in range(n.bit_length())
+            if (1 << i) < low and v + (1 << i) < n
+        ]
         seg_elems = max(1, segment_bytes // max(1, buffer.itemsize))
         self._segs = segments(0, buffer.size, seg_elems)
         self._seen: set[int] = set()

@@ -6,6 +6,8 @@ transport needs no locks. Received frames are handed to a ``FrameSink``: the tra
 asks where the payload should go (so it can land straight in its final place), then reports
 the complete frame. Frames to one peer leave in priority order (highest first, then in order
 of sending) and never interleave below frame granularity; a peer that fails is reported once.
+A peer that said GOODBYE and then closes is not a failure: closing is a handshake (GOODBYE,
+half-close, read to EOF) so no byte in flight is lost and no connection is reset.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class Transport(ABC):
     """Framed, ordered, prioritised messages to every other rank of one communicator."""
 
     @abstractmethod
-    def send(self, peer: int, head: bytes, payload: memoryview, priority: int, token: object) -> None:
+    def send(
+        self, peer: int, head: bytes, payload: memoryview, priority: int, token: object
+    ) -> None:
         """Queue one frame (``head`` = header and name bytes) for ``peer``; never blocks."""
 
     @abstractmethod
@@ -50,6 +54,18 @@ class Transport(ABC):
     @abstractmethod
     def drop(self, token: object) -> None:
         """Forget the frames with ``token`` that have not started to leave."""
+
+    @abstractmethod
+    def send_goodbye(self, reason: bytes) -> None:
+        """Tell every peer this rank is closing (and why), then half-close each connection."""
+
+    @abstractmethod
+    def release(self, peer: int) -> None:
+        """``peer`` said goodbye: drop what is queued for it (reported as sent) and half-close."""
+
+    @abstractmethod
+    def open_peers(self) -> int:
+        """How many connections are still open (closing waits for this to reach zero)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -9,7 +9,7 @@ Layout (little-endian), then ``name_len`` bytes of operation name, then ``payloa
 operation; ``(kind, dtype, reduce, root, count)`` describes the operation so a receiver can
 tell at once whether both sides posted the same thing. A DATA frame carries a piece of the
 operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
-receiver too. Every field is checked against its bounds by ``parse_header`` before use.
+receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why. Every field is checked against its bounds by ``parse_header`` before use.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Final
 __all__ = [
     "DATA",
     "ERROR",
+    "GOODBYE",
     "Descriptor",
     "FrameError",
     "Header",
@@ -36,6 +37,7 @@ MAGIC: Final = b"ARDC"
 VERSION: Final = 1
 DATA: Final = 1
 ERROR: Final = 2
+GOODBYE: Final = 3
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
 MAX_NAME_BYTES: Final = 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 30
@@ -95,13 +97,17 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR):
+    if ftype not in (DATA, ERROR, GOODBYE):
         raise FrameError(f"unknown frame type {ftype}")
     if name_len > MAX_NAME_BYTES:
         raise FrameError(f"operation name of {name_len} bytes (at most {MAX_NAME_BYTES})")
-    limit = MAX_ERROR_BYTES if ftype == ERROR else MAX_PAYLOAD_BYTES
+    limit = MAX_PAYLOAD_BYTES if ftype == DATA else MAX_ERROR_BYTES
     if payload_len > limit:
         raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
+    if ftype == GOODBYE:
+        if name_len:
+            raise FrameError("a GOODBYE frame names no operation")
+        return 0, Header(ftype, b"", 0, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
     if step >= MAX_STEP or seg >= MAX_STEP:
         raise FrameError(f"step {step} / segment {seg} out of range")
     if kind not in _KIND_CODES or dtype not in _DTYPE_CODES or reduce not in _REDUCE_CODES:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from .base import FrameSink, Transport
-from .frame import HEADER, FrameError, Header, parse_header
+from .frame import GOODBYE, HEADER, Descriptor, FrameError, Header, pack_header, parse_header
 
 __all__ = ["TcpTransport", "connect_mesh", "HELLO"]
 
@@ -78,6 +78,8 @@ class _Peer:
         self.name_len = 0
         self.payload: memoryview | None = None
         self.filled = 0
+        self.said_goodbye = False  # the peer is closing in good order: EOF is expected
+        self.half_close = False  # shut our side once the queue is empty
 
 
 class TcpTransport(Transport):
@@ -101,7 +103,9 @@ class TcpTransport(Transport):
 
     # ---- sending -------------------------------------------------------------------------
 
-    def send(self, peer: int, head: bytes, payload: memoryview, priority: int, token: object) -> None:
+    def send(
+        self, peer: int, head: bytes, payload: memoryview, priority: int, token: object
+    ) -> None:
         target = self._peers.get(peer)
         if target is None:
             raise KeyError(f"rank {peer} is not connected")
@@ -114,6 +118,8 @@ class TcpTransport(Transport):
             if peer.current is None:
                 if not peer.queue:
                     self._want_write(peer, False)
+                    if peer.half_close:
+                        self._shut_write(peer)
                     return
                 peer.current = heapq.heappop(peer.queue)
             out = peer.current
@@ -135,6 +141,36 @@ class TcpTransport(Transport):
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
             self._selector.modify(peer.sock, events, peer)
             peer.writing = on
+
+    def _shut_write(self, peer: _Peer) -> None:
+        peer.half_close = False
+        try:
+            peer.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # already gone; EOF or an error on read will end it
+
+    def send_goodbye(self, reason: bytes) -> None:
+        head = pack_header(GOODBYE, b"", 0, 0, 0, len(reason), Descriptor(0, 0, 0, 0, 0))
+        for peer in list(self._peers.values()):
+            out = _Out((-(1 << 62), next(self._order)), head, memoryview(reason), None)
+            heapq.heappush(peer.queue, out)
+            peer.half_close = True
+            if peer.current is None:
+                self._flush(peer)
+
+    def release(self, peer_rank: int) -> None:
+        peer = self._peers.get(peer_rank)
+        if peer is None:
+            return
+        dropped, peer.queue = peer.queue, []
+        peer.half_close = True
+        if peer.current is None:
+            self._flush(peer)
+        for out in dropped:
+            self.sink.on_sent(out.token)
+
+    def open_peers(self) -> int:
+        return len(self._peers)
 
     def drop(self, token: object) -> None:
         for peer in self._peers.values():
@@ -160,7 +196,7 @@ class TcpTransport(Transport):
         if peer.payload is not None:
             n = peer.sock.recv_into(peer.payload[peer.filled :])
             if n == 0:
-                raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
+                return self._eof(peer)
             peer.filled += n
             if peer.filled == len(peer.payload):
                 self._deliver(peer)
@@ -173,7 +209,7 @@ class TcpTransport(Transport):
             peer.lo = 0
         n = peer.sock.recv_into(peer.stage_view[peer.hi :])
         if n == 0:
-            raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
+            return self._eof(peer)
         peer.hi += n
         self._parse_staged(peer)
         return peer.rank in self._peers
@@ -185,7 +221,9 @@ class TcpTransport(Transport):
             if peer.header is None:
                 if available < HEADER.size:
                     return
-                peer.name_len, peer.header = parse_header(peer.stage_view[peer.lo : peer.lo + HEADER.size])
+                peer.name_len, peer.header = parse_header(
+                    peer.stage_view[peer.lo : peer.lo + HEADER.size]
+                )
                 peer.lo += HEADER.size
                 continue
             if peer.name_len:
@@ -216,7 +254,15 @@ class TcpTransport(Transport):
         header, payload = peer.header, peer.payload
         assert header is not None and payload is not None
         peer.header, peer.payload, peer.filled = None, None, 0
+        if header.type == GOODBYE:
+            peer.said_goodbye = True
         self.sink.on_frame(peer.rank, header, payload)
+
+    def _eof(self, peer: _Peer) -> bool:
+        if peer.said_goodbye and peer.header is None and peer.lo == peer.hi:
+            self._remove(peer)
+            return False
+        raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -244,14 +290,27 @@ class TcpTransport(Transport):
         except (BlockingIOError, InterruptedError):
             pass
 
-    def _lose(self, peer: _Peer, error: BaseException) -> None:
+    def _remove(self, peer: _Peer) -> list[_Out]:
+        """Forget ``peer``; return the frames that will now never leave."""
         if self._peers.pop(peer.rank, None) is None:
-            return
+            return []
         self._selector.unregister(peer.sock)
         peer.sock.close()
-        peer.queue.clear()
-        peer.current = None
+        unsent = peer.queue + ([peer.current] if peer.current is not None else [])
+        peer.queue, peer.current = [], None
+        return unsent
+
+    def _lose(self, peer: _Peer, error: BaseException) -> None:
+        if peer.rank not in self._peers:
+            return
+        unsent = self._remove(peer)
+        if peer.said_goodbye:
+            error = ConnectionResetError(
+                f"rank {peer.rank} reset the connection after its goodbye: {error}"
+            )
         self.sink.on_peer_lost(peer.rank, error)
+        for out in unsent:
+            self.sink.on_sent(out.token)
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
@@ -337,11 +396,15 @@ def _dial(
         except (ConnectionRefusedError, ConnectionResetError) as exc:
             sock.close()
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"rank {rank} could not connect to rank {peer} at {address}") from exc
+                raise TimeoutError(
+                    f"rank {rank} could not connect to rank {peer} at {address}"
+                ) from exc
             time.sleep(0.05)
         except TimeoutError as exc:
             sock.close()
-            raise TimeoutError(f"rank {rank} could not connect to rank {peer} at {address}") from exc
+            raise TimeoutError(
+                f"rank {rank} could not connect to rank {peer} at {address}"
+            ) from exc
         except BaseException:
             sock.close()
             raise
@@ -366,7 +429,9 @@ def _accept_higher(
             sock, _ = listener.accept()
         except TimeoutError:
             continue
-        _admit(sock, rank, world_size, token, min(deadline, time.monotonic() + 5.0), expected, socks)
+        _admit(
+            sock, rank, world_size, token, min(deadline, time.monotonic() + 5.0), expected, socks
+        )
 
 
 def _admit(
@@ -391,5 +456,3 @@ def _admit(
         return
     expected.discard(peer)
     socks[peer] = sock
-
-

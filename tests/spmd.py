@@ -1,0 +1,85 @@
+"""Run one test body on several real processes that talk over real sockets.
+
+``run_ranks(n, body, *args)`` spawns n processes; each joins a communicator through the TCP
+store on 127.0.0.1 and calls ``body(comm, *args)``. The bodies' return values come back in
+rank order; an exception on any rank fails the test with that rank's traceback; a rank that
+does not finish within ``timeout`` seconds fails the test (a hang never stalls the suite).
+``expect_dead`` names ranks that are allowed to die without reporting (fault injection).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import asyncreduce as ar
+
+_CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, n: int, port: int, body: Callable[..., Any], args: tuple[Any, ...], out: Any
+) -> None:
+    os.environ["ASYNCREDUCE_TEST_RANK"] = str(rank)
+    try:
+        with ar.init(rank, n, "127.0.0.1", port, timeout=30) as comm:
+            result = body(comm, *args)
+        out.put((rank, True, result))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    n: int,
+    body: Callable[..., Any],
+    *args: Any,
+    timeout: float = 60.0,
+    expect_dead: frozenset[int] = frozenset(),
+    ranks: range | None = None,
+) -> dict[int, Any]:
+    """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}."""
+    port = free_port()
+    out = _CTX.Queue()
+    started = ranks if ranks is not None else range(n)
+    procs = {
+        r: _CTX.Process(target=_rank_main, args=(r, n, port, body, args, out), daemon=True)
+        for r in started
+    }
+    for p in procs.values():
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < len(procs) - len(expect_dead & set(procs)):
+            try:
+                rank, ok, value = out.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(procs) - set(results) - set(errors) - expect_dead)
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s") from None
+            (results if ok else errors)[rank] = value
+    finally:
+        for p in procs.values():
+            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    if errors:
+        raise AssertionError(
+            "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        )
+    return results

@@ -1,0 +1,407 @@
+"""Collectives across real processes over real TCP sockets (see spmd.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import asyncreduce as ar
+from spmd import run_ranks
+
+WORLDS = [2, 3, 4]
+
+
+def _expected_sum(n: int, count: int, dtype: type, base: int = 0) -> np.ndarray:
+    return sum(np.arange(count, dtype=dtype) * (r + 1) + base + r for r in range(n))
+
+
+# ---- every collective, every world size ---------------------------------------------------------
+
+
+def body_collectives(comm: ar.Communicator) -> dict[str, bytes]:
+    r, n = comm.rank, comm.world_size
+    digests = {}
+    for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16, np.uint8):
+        for count in (0, 1, 13, 5000, 300_001):
+            if dtype in (np.float16, np.uint8) and count > 13:
+                continue  # keep sums exact and small
+            x = np.arange(count, dtype=dtype) * (r + 1) + r
+            y = comm.allreduce(x, name=f"sum-{np.dtype(dtype).name}-{count}")
+            assert y is x
+            np.testing.assert_array_equal(x, _expected_sum(n, count, dtype).astype(dtype))
+            digests[f"{np.dtype(dtype).name}-{count}"] = hashlib.sha256(x.tobytes()).digest()
+    for op, fold in (("max", np.maximum), ("min", np.minimum), ("prod", np.multiply)):
+        x = np.array([r + 1.0, -(r + 1.0), 2.0, float(n - r)], dtype=np.float64)
+        expect = x.copy()
+        others = [np.array([q + 1.0, -(q + 1.0), 2.0, float(n - q)]) for q in range(n)]
+        expect = others[0]
+        for o in others[1:]:
+            expect = fold(expect, o)
+        np.testing.assert_array_equal(comm.allreduce(x, op), expect)
+    avg = comm.allreduce(np.full(100_000, float(r), np.float32), "avg")
+    assert np.all(avg == np.float32(sum(range(n)) / n))
+    for root in range(n):
+        b = comm.broadcast(np.full(70_000, r, np.int64), root=root)
+        assert np.all(b == root)
+    g = comm.allgather(np.array([[r, 10 * r]], dtype=np.int32))
+    assert g.shape == (n, 1, 2)
+    np.testing.assert_array_equal(g[:, 0, 1], np.arange(n) * 10)
+    x = np.arange(n * 6, dtype=np.float64).reshape(n * 3, 2) + r
+    rs = comm.reduce_scatter(x)
+    full = sum(np.arange(n * 6, dtype=np.float64).reshape(n * 3, 2) + q for q in range(n))
+    np.testing.assert_array_equal(rs, full[r * 3 : (r + 1) * 3])
+    comm.barrier()
+    return digests
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_collectives_are_exact_and_identical_on_every_rank(n: int) -> None:
+    results = run_ranks(n, body_collectives)
+    assert all(results[r] == results[0] for r in range(n))
+
+
+# ---- threads, shuffled named operations ---------------------------------------------------------
+
+
+def body_threads(comm: ar.Communicator, ops: int, threads: int) -> dict[int, str]:
+    r, n = comm.rank, comm.world_size
+    sizes = [random.Random(i).choice([1, 7, 1000, 20_000, 150_000, 600_000]) for i in range(ops)]
+    order = list(range(ops))
+    random.Random(1000 + r).shuffle(order)
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def worker(mine: list[int]) -> None:
+        try:
+            reqs = []
+            for i in mine:
+                x = np.arange(sizes[i], dtype=np.float64) * (r + 1) + i
+                reqs.append((i, x, comm.iallreduce(x, name=f"op{i}", priority=i % 3)))
+            for i, x, req in reqs:
+                assert req.wait(timeout=60) is x
+                expect = sum(np.arange(sizes[i], dtype=np.float64) * (q + 1) + i for q in range(n))
+                np.testing.assert_array_equal(x, expect)
+                results[i] = hashlib.sha256(x.tobytes()).hexdigest()
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(order[t::threads],)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert sorted(results) == list(range(ops))
+    return results
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_eight_threads_post_100_named_operations_in_shuffled_orders(n: int) -> None:
+    results = run_ranks(n, body_threads, 100, 8, timeout=120)
+    for r in range(1, n):
+        assert results[r] == results[0], "results differ between ranks"
+
+
+# ---- one connection per pair --------------------------------------------------------------------
+
+
+def _tcp_sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def body_socket_count(comm: ar.Communicator) -> tuple[int, int]:
+    before = _tcp_sockets()
+    reqs = [comm.iallreduce(np.ones(50_000, np.float32), name=f"s{i}") for i in range(64)]
+    during = _tcp_sockets()
+    ar.wait_all(reqs, timeout=60)
+    assert all(np.all(r.result() == comm.world_size) for r in reqs)
+    return before, during
+
+
+def test_operations_in_flight_share_one_connection_per_peer() -> None:
+    results = run_ranks(3, body_socket_count)
+    for before, during in results.values():
+        assert during == before
+
+
+# ---- mismatches ---------------------------------------------------------------------------------
+
+
+def body_mismatch(comm: ar.Communicator, field: str) -> str:
+    r = comm.rank
+    count, dtype = 1000, np.float32
+    if r == 1 and field == "count":
+        count = 1200
+    if r == 1 and field == "dtype":
+        dtype = np.float64
+    if r == 0 and field == "op":
+        pass
+    op = "max" if (field == "op" and r == 2) else "sum"
+    start = time.monotonic()
+    with pytest.raises(ar.MismatchError) as info:
+        comm.allreduce(np.ones(count, dtype), op, name="w", timeout=20)
+    assert time.monotonic() - start < 5
+    after = comm.allreduce(np.ones(10, np.float32), name="after")  # still usable
+    assert np.all(after == comm.world_size)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("field", "both"), [
+    ("count", ("float32[1000]", "float32[1200]")),
+    ("dtype", ("float32[1000]", "float64[1000]")),
+    ("op", ("sum", "max")),
+])  # fmt: skip
+def test_mismatch_fails_on_every_rank_naming_both_sides(field: str, both: tuple[str, str]) -> None:
+    messages = run_ranks(3, body_mismatch, field)
+    for rank, message in messages.items():
+        assert all(side in message for side in both), f"rank {rank}: {message}"
+        assert "'w'" in message
+
+
+# ---- a rank dies --------------------------------------------------------------------------------
+
+
+def body_victim(comm: ar.Communicator) -> str:
+    x = np.ones(16 << 20, np.float32)
+    comm.barrier()
+    if comm.rank == 2:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        comm.allreduce(x)
+        time.sleep(30)
+    start = time.monotonic()
+    with pytest.raises(ar.BrokenError) as info:
+        for _ in range(100):
+            comm.allreduce(x)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ar.BrokenError):
+        comm.allreduce(np.ones(4, np.float32))  # the communicator stays broken
+    return str(info.value)
+
+
+def test_killed_rank_is_named_by_both_survivors() -> None:
+    messages = run_ranks(3, body_victim, expect_dead=frozenset({2}))
+    assert set(messages) == {0, 1}
+    for message in messages.values():
+        assert "rank 2" in message
+
+
+# ---- a rank never joins -------------------------------------------------------------------------
+
+
+def body_never_reached(comm: ar.Communicator) -> None:  # pragma: no cover - init must fail first
+    raise AssertionError("init should not have succeeded")
+
+
+def _init_alone(rank: int, port: int) -> str:
+    start = time.monotonic()
+    try:
+        ar.init(rank, 3, "127.0.0.1", port, timeout=3)
+    except TimeoutError as exc:
+        elapsed = time.monotonic() - start
+        assert elapsed < 8, elapsed
+        return str(exc)
+    raise AssertionError("init did not time out")
+
+
+def test_init_names_the_rank_that_never_joined() -> None:
+    from spmd import free_port
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        messages = list(pool.map(_init_alone, [0, 1], [port, port]))
+    for message in messages:
+        assert "2" in message and "never" in message, message
+
+
+# ---- close() with requests pending --------------------------------------------------------------
+
+
+def body_close_pending(comm: ar.Communicator) -> tuple[int, int]:
+    if comm.rank == 1:
+        comm.barrier(name="first")
+        time.sleep(1.0)  # stay until rank 0 has closed
+        return 0, 0
+    comm.barrier(name="first")
+    reqs = [comm.iallreduce(np.ones(1000, np.float32), name=f"never{i}") for i in range(5)]
+    time.sleep(0.2)
+    comm.close()
+    for req in reqs:
+        with pytest.raises(ar.ClosedError, match="closed"):
+            req.wait(timeout=5)
+    with pytest.raises(ar.ClosedError):
+        comm.iallreduce(np.ones(3, np.float32))
+    leftover_threads = [t.name for t in threading.enumerate() if t.name.startswith("asyncreduce")]
+    assert leftover_threads == []
+    return _tcp_sockets(), len(reqs)
+
+
+def test_close_fails_pending_requests_and_leaves_no_thread_or_socket() -> None:
+    results = run_ranks(2, body_close_pending)
+    sockets_left, failed = results[0]
+    assert failed == 5
+    assert sockets_left == 0
+
+
+# ---- per-call timeout -----------------------------------------------------------------------------
+
+
+def body_timeout(comm: ar.Communicator) -> str:
+    if comm.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            comm.allreduce(np.ones(5, np.float32), name="lonely", timeout=0.5)
+        assert 0.45 < time.monotonic() - start < 3
+        comm.barrier(name="b")
+        comm.barrier(name="end")
+        return str(info.value)
+    comm.barrier(name="b")
+    with pytest.raises(TimeoutError) as info:
+        comm.allreduce(np.ones(5, np.float32), name="lonely", timeout=10)
+    comm.barrier(name="end")
+    return str(info.value)
+
+
+def test_per_call_timeout_fails_the_operation_on_every_rank() -> None:
+    messages = run_ranks(2, body_timeout)
+    assert "0.5 s" in messages[0] and "rank 1" in messages[0]
+    assert "reported by rank 0" in messages[1]
+
+
+# ---- requests are futures -----------------------------------------------------------------------
+
+
+def body_request_api(comm: ar.Communicator) -> None:
+    if comm.rank == 1:
+        time.sleep(0.3)
+    x = np.ones(10, np.float32)
+    req = comm.iallreduce(x, name="late")
+    if comm.rank == 0:
+        assert not req.test()
+        with pytest.raises(TimeoutError, match="goes on"):
+            req.wait(timeout=0.05)
+        assert not req.cancel()
+    seen: list[str] = []
+    ready = threading.Event()
+    req.add_done_callback(lambda f: (seen.append(threading.current_thread().name), ready.set()))
+    assert req.wait(timeout=10) is x and req.test()
+    assert ready.wait(5) and not seen[0].startswith("asyncreduce-engine")
+    reqs = [comm.iallreduce(np.full(3, float(i)), name=f"f{i}") for i in range(5)]
+    assert sorted(
+        float(f.result()[0]) for f in concurrent.futures.as_completed(reqs, timeout=10)
+    ) == [i * comm.world_size for i in range(5)]
+    index, value = ar.wait_any([comm.iallreduce(np.ones(2), name="any")], timeout=10)
+    assert index == 0 and value[0] == comm.world_size
+
+    async def main() -> float:
+        return float((await comm.iallreduce(np.ones(1), name="aio"))[0])
+
+    assert asyncio.run(main()) == comm.world_size
+    results = ar.wait_all(
+        [comm.iallreduce(np.full(2, 1.0), name=f"all{i}") for i in range(3)], timeout=10
+    )
+    assert [float(v[0]) for v in results] == [comm.world_size] * 3
+
+
+def test_request_is_a_future_with_mpi_spellings() -> None:
+    run_ranks(2, body_request_api)
+
+
+# ---- usage errors leave the communicator usable -------------------------------------------------
+
+
+def body_usage(comm: ar.Communicator) -> None:
+    bad = [
+        (lambda: comm.iallreduce(np.ones((4, 4))[:, 0]), "contiguous"),
+        (lambda: comm.iallreduce([1.0, 2.0]), "numpy array"),
+        (lambda: comm.iallreduce(b"abcd"), "read-only"),
+        (lambda: comm.iallreduce(np.ones(3), op="mean"), "sum, avg"),
+        (lambda: comm.iallreduce(np.ones(3, np.int32), op="avg"), "floating"),
+        (lambda: comm.iallreduce(np.ones(3, np.complex64)), "supported"),
+        (lambda: comm.ibroadcast(np.ones(3), root=7), "root"),
+        (lambda: comm.ireduce_scatter(np.ones(3)), "divisible"),
+        (lambda: comm.iallreduce(np.ones(3), name=""), "name"),
+        (lambda: comm.iallreduce(np.ones(3), timeout=-1), "timeout"),
+    ]
+    for call, words in bad:
+        with pytest.raises(ar.UsageError, match=words):
+            call()
+    # nothing was numbered: unnamed operations still line up across ranks
+    assert np.all(comm.allreduce(np.ones(3)) == comm.world_size)
+
+
+def test_usage_errors_are_clear_and_leave_the_communicator_usable() -> None:
+    run_ranks(2, body_usage)
+
+
+# ---- input and output types ---------------------------------------------------------------------
+
+
+def body_types(comm: ar.Communicator) -> None:
+    import array
+
+    import torch
+
+    n = comm.world_size
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert comm.allreduce(t) is t
+    assert torch.equal(t, torch.arange(6, dtype=torch.float32).reshape(2, 3) * n)
+    bf = torch.full((5,), 1.5, dtype=torch.bfloat16)
+    comm.allreduce(bf)
+    assert bf.dtype == torch.bfloat16 and torch.all(bf == 1.5 * n)
+    g = comm.allgather(torch.tensor([comm.rank], dtype=torch.bfloat16))
+    assert (
+        isinstance(g, torch.Tensor)
+        and g.dtype == torch.bfloat16
+        and g.flatten().tolist() == list(range(n))
+    )
+    p = torch.ones(3, requires_grad=True)
+    out = comm.allreduce(p, inplace=False)
+    assert torch.all(out == n) and torch.all(p == 1)
+    ba = bytearray([1, 2, 3])
+    assert comm.allreduce(ba) is ba and list(ba) == [n, 2 * n, 3 * n]
+    arr = array.array("d", [1.0, 2.0])
+    assert comm.allreduce(arr) is arr and list(arr) == [n, 2.0 * n]
+    x = np.ones(4)
+    y = comm.allreduce(x, inplace=False)
+    assert np.all(x == 1) and np.all(y == n)
+
+
+def test_numpy_torch_and_buffers_keep_their_type() -> None:
+    pytest.importorskip("torch")
+    run_ranks(2, body_types)
+
+
+# ---- a name reused every iteration --------------------------------------------------------------
+
+
+def body_reused_name(comm: ar.Communicator) -> list[float]:
+    values = []
+    for step in range(20):
+        x = np.full(1000, float(step + comm.rank))
+        reqs = [comm.iallreduce(x, name="grad")]
+        if comm.rank == 0:
+            time.sleep(0.001 * (step % 3))
+        values.append(float(reqs[0].wait(timeout=10)[0]))
+    return values
+
+
+def test_a_name_reused_every_iteration_matches_by_count() -> None:
+    results = run_ranks(2, body_reused_name)
+    assert results[0] == results[1] == [float(2 * s + 1) for s in range(20)]

@@ -146,6 +146,7 @@ class Engine(FrameSink):
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        np.seterr(all="ignore")  # this thread only: overflow is the caller's data, not our warning
         try:
             while self._take_submitted():
                 self.transport.poll(self._poll_timeout())

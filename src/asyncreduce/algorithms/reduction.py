@@ -6,6 +6,9 @@ rank. ``avg`` is a sum on the wire, divided by the world size once at the end.
 
 bfloat16 (torch only) travels as its raw 16-bit pattern; it is widened to float32 to combine
 and rounded back to nearest-even, which is what PyTorch does on the CPU.
+
+Overflow wraps (integers) or saturates to inf (floats) as in MPI; the progress thread turns
+numpy's floating-point warnings off for itself, so nothing here pays for an errstate.
 """
 
 from __future__ import annotations
@@ -88,12 +91,11 @@ def _f32_to_bf16(values: NDArray[np.float32], out: NDArray[np.uint16]) -> None:
 def combine(dtype: DType, op: str, acc: NDArray[np.generic], incoming: NDArray[np.generic]) -> None:
     """acc = acc (op) incoming, in place."""
     ufunc = _UFUNCS[op]
-    with np.errstate(all="ignore"):  # overflow wraps or saturates, as in MPI: no warnings
-        if dtype.name == "bfloat16":
-            widened = ufunc(_bf16_to_f32(acc), _bf16_to_f32(incoming))  # type: ignore[arg-type]
-            _f32_to_bf16(widened, acc)  # type: ignore[arg-type]
-        else:
-            ufunc(acc, incoming, out=acc)
+    if dtype.name == "bfloat16":
+        widened = ufunc(_bf16_to_f32(acc), _bf16_to_f32(incoming))  # type: ignore[arg-type]
+        _f32_to_bf16(widened, acc)  # type: ignore[arg-type]
+    else:
+        ufunc(acc, incoming, out=acc)
 
 
 def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int) -> None:

@@ -7,8 +7,8 @@ that the acceptor checks and echoes; anything else is dropped.
 
 ``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
 queues the rest; a peer's queue is a heap on (-priority, order), so a frame of a more urgent
-operation overtakes queued ones at frame granularity. Header and payload leave in one
-``sendmsg``. Receiving reads headers through a small staging buffer (several small frames per
+operation overtakes queued ones at frame granularity. Headers and payloads leave together in
+one ``sendmsg``, several small frames at a time. Receiving reads headers through a small staging buffer (several small frames per
 ``recv``); once a header is checked, the payload is received straight into the buffer the sink
 names, usually its final place. EOF, a reset, or a frame that breaks the protocol ends that
 connection and is reported once.
@@ -24,6 +24,7 @@ import selectors
 import socket
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from .base import FrameSink, Transport
@@ -38,6 +39,8 @@ _HELLO_MAGIC = b"ARDH"
 _STAGE_BYTES = 64 << 10
 _READS_PER_EVENT = 64
 _SOCKET_BUFFER = 4 << 20
+_BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)
+_BATCH_BYTES = 1 << 20  # small frames are batched up to this size
 
 
 @dataclass(order=True)
@@ -67,8 +70,8 @@ class _Peer:
     def __init__(self, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
-        self.queue: list[_Out] = []
-        self.current: _Out | None = None
+        self.queue: list[_Out] = []  # a heap: most urgent first
+        self.inflight: deque[_Out] = deque()  # taken from the queue, being written in order
         self.writing = False
         self.stage = bytearray(_STAGE_BYTES)
         self.stage_view = memoryview(self.stage)
@@ -95,6 +98,7 @@ class TcpTransport(Transport):
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
+        self._leaving = False  # we said goodbye: peers' EOFs are expected
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = _Peer(peer_rank, sock)
@@ -110,31 +114,51 @@ class TcpTransport(Transport):
         if target is None:
             raise KeyError(f"rank {peer} is not connected")
         heapq.heappush(target.queue, _Out((-priority, next(self._order)), head, payload, token))
-        if target.current is None:
+        if not target.inflight:
             self._flush(target)
 
     def _flush(self, peer: _Peer) -> None:
+        """Write queued frames until the socket is full; several small frames per sendmsg."""
         while True:
-            if peer.current is None:
+            if not peer.inflight:
                 if not peer.queue:
                     self._want_write(peer, False)
                     if peer.half_close:
                         self._shut_write(peer)
                     return
-                peer.current = heapq.heappop(peer.queue)
-            out = peer.current
+                self._take_batch(peer)
+            buffers = [piece for out in peer.inflight for piece in out.remaining()]
             try:
-                n = peer.sock.sendmsg(out.remaining())
+                n = peer.sock.sendmsg(buffers)
             except (BlockingIOError, InterruptedError):
                 self._want_write(peer, True)
                 return
             except OSError as exc:
                 self._lose(peer, exc)
                 return
-            out.sent += n
+            self._advance(peer, n)
+
+    def _take_batch(self, peer: _Peer) -> None:
+        """Move the most urgent frames into flight: one large frame, or many small ones."""
+        total = 0
+        while peer.queue and len(peer.inflight) < _BATCH_FRAMES:
+            if peer.inflight and total + peer.queue[0].size > _BATCH_BYTES:
+                return
+            out = heapq.heappop(peer.queue)
+            peer.inflight.append(out)
+            total += out.size
+
+    def _advance(self, peer: _Peer, n: int) -> None:
+        while n:
+            out = peer.inflight[0]
+            took = min(n, out.size - out.sent)
+            out.sent += took
+            n -= took
             if out.sent == out.size:
-                peer.current = None
+                peer.inflight.popleft()
                 self.sink.on_sent(out.token)
+        while peer.inflight and peer.inflight[0].sent == peer.inflight[0].size:
+            self.sink.on_sent(peer.inflight.popleft().token)  # empty frames: nothing to write
 
     def _want_write(self, peer: _Peer, on: bool) -> None:
         if peer.writing != on and peer.rank in self._peers:
@@ -150,12 +174,13 @@ class TcpTransport(Transport):
             pass  # already gone; EOF or an error on read will end it
 
     def send_goodbye(self, reason: bytes) -> None:
+        self._leaving = True
         head = pack_header(GOODBYE, b"", 0, 0, 0, len(reason), Descriptor(0, 0, 0, 0, 0))
         for peer in list(self._peers.values()):
             out = _Out((-(1 << 62), next(self._order)), head, memoryview(reason), None)
             heapq.heappush(peer.queue, out)
             peer.half_close = True
-            if peer.current is None:
+            if not peer.inflight:
                 self._flush(peer)
 
     def release(self, peer_rank: int) -> None:
@@ -164,7 +189,7 @@ class TcpTransport(Transport):
             return
         dropped, peer.queue = peer.queue, []
         peer.half_close = True
-        if peer.current is None:
+        if not peer.inflight:
             self._flush(peer)
         for out in dropped:
             self.sink.on_sent(out.token)
@@ -259,7 +284,9 @@ class TcpTransport(Transport):
         self.sink.on_frame(peer.rank, header, payload)
 
     def _eof(self, peer: _Peer) -> bool:
-        if peer.said_goodbye and peer.header is None and peer.lo == peer.hi:
+        """EOF is the end of a closing handshake (either side said goodbye), else a failure."""
+        orderly = peer.said_goodbye or self._leaving
+        if orderly and peer.header is None and peer.lo == peer.hi:
             self._remove(peer)
             return False
         raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
@@ -296,8 +323,8 @@ class TcpTransport(Transport):
             return []
         self._selector.unregister(peer.sock)
         peer.sock.close()
-        unsent = peer.queue + ([peer.current] if peer.current is not None else [])
-        peer.queue, peer.current = [], None
+        unsent = list(peer.inflight) + peer.queue
+        peer.queue, peer.inflight = [], deque()
         return unsent
 
     def _lose(self, peer: _Peer, error: BaseException) -> None:

@@ -1,0 +1,170 @@
+"""The TCP transport over real sockets: ordering, sizes, priority, goodbyes, failures, bad frames.
+
+Two transports are joined by a real connected socket pair and driven by one thread here; the
+sink records what arrives. (The engine is not involved: these are the transport's own rules.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncreduce.transport.frame import (
+    DATA,
+    HEADER,
+    MAX_NAME_BYTES,
+    Descriptor,
+    FrameError,
+    Header,
+    pack_header,
+    parse_header,
+)
+from asyncreduce.transport.tcp import TcpTransport
+
+DESC = Descriptor(1, 2, 1, 0, 10)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, Header, bytes]] = []
+        self.sent: list[object] = []
+        self.lost: list[tuple[int, BaseException]] = []
+        self.direct: dict[bytes, bytearray] = {}
+
+    def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
+        target = self.direct.get(header.name)
+        return memoryview(target) if target is not None else None
+
+    def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        self.frames.append((peer, header, bytes(payload)))
+
+    def on_sent(self, token: object) -> None:
+        self.sent.append(token)
+
+    def on_peer_lost(self, peer: int, error: BaseException) -> None:
+        self.lost.append((peer, error))
+
+
+def pair() -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
+    a, b = socket.socketpair()
+    sa, sb = Sink(), Sink()
+    return TcpTransport(0, {1: a}, sa), sa, TcpTransport(1, {0: b}, sb), sb
+
+
+def pump(*transports: TcpTransport, until: object, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not until():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "transport made no progress"
+        for t in transports:
+            t.poll(0.001)
+
+
+def frame(name: bytes, payload: bytes, step: int = 0) -> tuple[bytes, memoryview]:
+    return pack_header(DATA, name, 0, step, 0, len(payload), DESC), memoryview(payload)
+
+
+def test_frames_arrive_in_order_with_zero_length_and_large_payloads() -> None:
+    ta, sa, tb, sb = pair()
+    big = os.urandom(8 << 20)
+    payloads = [b"", b"x", big, b"", os.urandom(100_000)] + [bytes([i]) * i for i in range(50)]
+    for i, p in enumerate(payloads):
+        head, body = frame(b"op", p, step=i)
+        ta.send(1, head, body, 0, i)
+    pump(ta, tb, until=lambda: len(sb.frames) == len(payloads))
+    assert [h.step for _, h, _ in sb.frames] == list(range(len(payloads)))
+    assert [p for _, _, p in sb.frames] == payloads
+    assert sorted(sa.sent) == list(range(len(payloads)))  # type: ignore[type-var]
+    assert all(peer == 0 for peer, _, _ in sb.frames)
+    ta.close()
+    tb.close()
+
+
+def test_payload_lands_in_the_buffer_the_sink_names() -> None:
+    ta, _, tb, sb = pair()
+    target = bytearray(1 << 20)
+    sb.direct[b"direct"] = target
+    data = np.arange(1 << 18, dtype=np.float32).tobytes()
+    ta.send(1, *frame(b"direct", data), 0, None)
+    pump(ta, tb, until=lambda: sb.frames)
+    assert bytes(target) == data
+    ta.close()
+    tb.close()
+
+
+def test_higher_priority_frames_overtake_queued_ones() -> None:
+    ta, _, tb, sb = pair()
+    filler = b"\0" * (16 << 20)  # fills the socket, so the rest must queue
+    ta.send(1, *frame(b"bulk", filler), 0, "bulk")
+    for i in range(5):
+        ta.send(1, *frame(b"low", b"l", step=i), 0, f"low{i}")
+    ta.send(1, *frame(b"urgent", b"u"), 10, "urgent")
+    pump(ta, tb, until=lambda: len(sb.frames) == 7)
+    names = [h.name for _, h, _ in sb.frames]
+    assert names.index(b"urgent") < names.index(b"low")
+    ta.close()
+    tb.close()
+
+
+def test_goodbye_then_close_is_not_a_failure() -> None:
+    ta, sa, tb, sb = pair()
+    ta.send_goodbye(b"rank 0 is done")
+    pump(ta, tb, until=lambda: sb.frames)
+    assert sb.frames[0][2] == b"rank 0 is done"
+    tb.release(0)
+    pump(ta, tb, until=lambda: ta.open_peers() == 0 and tb.open_peers() == 0)
+    assert sa.lost == [] and sb.lost == []
+    ta.close()
+    tb.close()
+
+
+def test_a_vanished_peer_is_reported_once() -> None:
+    ta, sa, tb, sb = pair()
+    ta.send(1, *frame(b"x", b"a" * 1000), 0, None)
+    pump(ta, tb, until=lambda: sb.frames)
+    ta.close()  # no goodbye: as if the process died
+    pump(tb, until=lambda: sb.lost)
+    for _ in range(10):
+        tb.poll(0.001)
+    assert len(sb.lost) == 1 and sb.lost[0][0] == 0
+    with pytest.raises(KeyError):
+        tb.send(0, *frame(b"y", b""), 0, None)
+    tb.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64,
+        HEADER.pack(b"ARDC", 9, DATA, 0, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0),  # bad version
+        HEADER.pack(b"ARDC", 1, DATA, 0, 0, 0, 0, 1 << 40, 1, 2, 1, 0, 0, 0),  # huge payload
+        HEADER.pack(b"ARDC", 1, DATA, 60000, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0),  # huge name
+        HEADER.pack(b"ARDC", 1, 77, 0, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0),  # unknown type
+    ],
+)
+def test_a_frame_that_breaks_the_protocol_drops_the_connection(garbage: bytes) -> None:
+    a, b = socket.socketpair()
+    sink = Sink()
+    transport = TcpTransport(1, {0: b}, sink)
+    a.sendall(garbage)
+    pump(transport, until=lambda: sink.lost)
+    assert isinstance(sink.lost[0][1], FrameError) and sink.frames == []
+    a.close()
+    transport.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=HEADER.size, max_size=HEADER.size))
+def test_parse_header_rejects_or_returns_bounded_fields(data: bytes) -> None:
+    try:
+        name_len, header = parse_header(data)
+    except (FrameError, struct.error):
+        return
+    assert name_len <= MAX_NAME_BYTES
+    assert header.payload_len <= 1 << 30

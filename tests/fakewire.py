@@ -31,7 +31,9 @@ def run_ranks(machines: list[Collective], rng: random.Random) -> int:
 
     def post(src: int, sends: list[Send]) -> None:
         for s in sends:
-            in_flight.append(Message(src, s.dst, s.step, s.seg, np.ascontiguousarray(s.payload).tobytes()))
+            in_flight.append(
+                Message(src, s.dst, s.step, s.seg, np.ascontiguousarray(s.payload).tobytes())
+            )
 
     for rank, machine in enumerate(machines):
         post(rank, machine.start())

@@ -44,8 +44,8 @@ def as_buffer(x: Any, what: str, *, inplace: bool = True) -> Buffer:
         view = memoryview(x)
     except TypeError:
         raise UsageError(
-            f"{what} must be a numpy array, a torch tensor or a buffer (bytearray, array.array, ...); "
-            f"got {type(x).__name__}"
+            f"{what} must be a numpy array, a torch tensor or a buffer (bytearray, "
+            f"array.array, ...); got {type(x).__name__}"
         ) from None
     return _buffer(x, view, what, inplace)
 

@@ -101,13 +101,13 @@ class Communicator:
         self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
         timeout: float | None = None, inplace: bool = True,
     ) -> Request[Any]:  # fmt: skip
-        """Start reducing ``x`` and keep block ``rank`` of its first axis (split world_size ways)."""
+        """Start reducing ``x``; keep block ``rank`` of its first axis (split world_size ways)."""
         buf = as_buffer(x, "x", inplace=inplace)
         self._check_reduction(op, buf)
         if not buf.shape or buf.shape[0] % self.world_size:
             raise UsageError(
-                f"reduce_scatter needs the first axis of x divisible by world_size={self.world_size}; "
-                f"x has shape {buf.shape}"
+                f"reduce_scatter needs the first axis of x divisible by "
+                f"world_size={self.world_size}; x has shape {buf.shape}"
             )
         block = (buf.shape[0] // self.world_size, *buf.shape[1:])
         mine = buf.flat.reshape(self.world_size, -1)[self.rank].reshape(block)
@@ -149,7 +149,8 @@ class Communicator:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Communicator rank {self.rank} of {self.world_size}{' closed' if self._closed else ''}>"
+        state = " closed" if self._closed else ""
+        return f"<Communicator rank {self.rank} of {self.world_size}{state}>"
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -252,7 +253,8 @@ def init(
     )
     if rank is None or world_size is None:
         raise UsageError(
-            "rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE (torchrun, asyncreduce run)"
+            "rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE "
+            "(as torchrun and asyncreduce run do)"
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} is not within a world of size {world_size}")

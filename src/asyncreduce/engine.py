@@ -298,9 +298,10 @@ class Engine(FrameSink):
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, op = heapq.heappop(self._deadlines)
             if self._ops.get(op.key) is op:
+                waiting = _ranks(op.algo.pending_sources)
                 self._fail_everywhere(op, TimeoutError(
-                    f"{op.label} did not complete within its timeout of {op.timeout} s on rank "
-                    f"{self.rank} (still waiting for {_ranks(op.algo.pending_sources)})"))  # fmt: skip
+                    f"{op.label} did not complete within its timeout of {op.timeout} s on "
+                    f"rank {self.rank} (still waiting for {waiting})"))  # fmt: skip
 
     def _break(self, error: BaseException) -> None:
         with self._lock:

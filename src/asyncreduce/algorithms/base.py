@@ -76,7 +76,7 @@ class Collective(ABC):
 
     @abstractmethod
     def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
-        """Where the payload of message (src, step, seg) goes; raises ProtocolError if unexpected."""
+        """Where the payload of message (src, step, seg) goes; ProtocolError if unexpected."""
 
     @abstractmethod
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:

@@ -9,7 +9,8 @@ Layout (little-endian), then ``name_len`` bytes of operation name, then ``payloa
 operation; ``(kind, dtype, reduce, root, count)`` describes the operation so a receiver can
 tell at once whether both sides posted the same thing. A DATA frame carries a piece of the
 operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
-receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why. Every field is checked against its bounds by ``parse_header`` before use.
+receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why.
+Every field is checked against its bounds by ``parse_header`` before use.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ that the acceptor checks and echoes; anything else is dropped.
 ``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
 queues the rest; a peer's queue is a heap on (-priority, order), so a frame of a more urgent
 operation overtakes queued ones at frame granularity. Headers and payloads leave together in
-one ``sendmsg``, several small frames at a time. Receiving reads headers through a small staging buffer (several small frames per
-``recv``); once a header is checked, the payload is received straight into the buffer the sink
-names, usually its final place. EOF, a reset, or a frame that breaks the protocol ends that
-connection and is reported once.
+one ``sendmsg``, several small frames at a time. Receiving reads headers through a small
+staging buffer (several small frames per ``recv``); once a header is checked, the payload is
+received straight into the buffer the sink names, usually its final place. EOF, a reset, or
+a frame that breaks the protocol ends that connection and is reported once.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1049 @@
+"""Allreduce latency and bus bandwidth: asyncreduce against Gloo (torch.distributed) and Open MPI.
+
+Theory of operation
+-------------------
+The parent (``main``) never communicates itself. For every (library, N) it starts one fresh set
+of N worker processes that runs every size, so start-up is paid once per set, not per size:
+
+* ``asyncreduce`` and ``gloo``: N copies of this file with ``--worker LIB``, each told RANK,
+  WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port) in its environment;
+* ``mpi`` and ``mpi-tcp``: ``mpirun -n N ... python allreduce.py --worker mpi``; ``mpi`` lets
+  Open MPI choose its transport (shared memory on one host), ``mpi-tcp`` forces TCP over the
+  loopback (``--mca btl self,tcp``), the same wire asyncreduce and Gloo use here.
+
+Per size every rank allocates one float32 buffer of zeros (sums stay zero: no overflow), and
+measures, identically for every library:
+
+1. warm-up: one allreduce whose time (the maximum over ranks) estimates the cost, then up to
+   ``--warmup - 1`` more, as many as fit in one repeat's time (so 128 MiB does not pay five);
+2. ``repeats`` times: barrier, ``k`` back-to-back in-place allreduces of the buffer, barrier;
+   the time per allreduce is elapsed / k, taken as the maximum over ranks. ``k`` is chosen
+   from the warm-up estimate so that a repeat lasts about ``--min-time / repeats``;
+3. the latency is the median of the repeats. Bus bandwidth is
+   ``bytes * 2 (N-1) / N / latency`` (what each rank's links must carry in a ring allreduce).
+
+Every number a rank agrees on (the estimate, each repeat's time) goes through the library's own
+allreduce with op max, so all ranks always run the same number of operations.
+
+Rank 0 reports to the parent in JSON lines on stdout, each prefixed with ``MARK`` (anything else
+on stdout is ignored): ``ready``, then ``start`` and ``result`` per size, then ``done``. The
+parent waits for each next line no longer than a generous allowance for that step, and caps the
+whole set with ``--timeout``; on a timeout, a rank that fails, an exception or Ctrl-C it kills
+every worker's process group (SIGTERM, then SIGKILL) before going on. Workers also exit by
+themselves when the parent disappears or their own deadline passes.
+
+Open MPI runs with its defaults (plus ``--bind-to none``, like the other libraries' unbound
+processes); its ranks busy-poll, so on a machine with as many busy processes as cores it loses
+whole scheduler slices (milliseconds). Its own settings pass through the environment, e.g.
+``OMPI_MCA_mpi_yield_when_idle=1``, which Open MPI already turns on when oversubscribed.
+
+Run it as ``asyncreduce bench allreduce [options]`` or ``python benchmarks/allreduce.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import queue
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["LIBS", "main", "parse_size", "format_size", "busbw_gbps"]
+
+LIBS = ("asyncreduce", "gloo", "mpi", "mpi-tcp")
+DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,32M,64M,128M"
+QUICK_SIZES = "4K,1M,32M"
+DEFAULT_MIN_TIME = 0.3
+QUICK_MIN_TIME = 0.1
+DEFAULT_WARMUP = 5
+QUICK_WARMUP = 2
+DEFAULT_REPEATS = 3
+MARK = "@allreduce-bench "
+DTYPE_BYTES = 4  # float32
+
+_SAY = "allreduce bench: "
+_GRACE_S = 2.0
+_STARTUP_ALLOWANCE_S = 90.0  # importing torch on a busy 2-core machine is slow
+_MPIRUN_ROOT = ("--allow-run-as-root", "--oversubscribe", "--bind-to", "none")
+_MPI_TCP = ("--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
+
+
+# ---- sizes and units ------------------------------------------------------------------------
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"1M"``/``"1MiB"`` -> 1048576, ``"512"`` -> 512 (bytes)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4K, 1M, 128M or bytes)")
+    nbytes = int(match.group(1)) * _UNITS[match.group(2)]
+    if nbytes < DTYPE_BYTES or nbytes % DTYPE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} must be a positive multiple of {DTYPE_BYTES} bytes (float32)"
+        )
+    return nbytes
+
+
+def format_size(nbytes: int) -> str:
+    """4096 -> ``"4 KiB"``; sizes that are not whole KiB/MiB stay in bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def busbw_gbps(nbytes: int, nprocs: int, seconds: float) -> float:
+    """Bus bandwidth in GB/s: ``bytes * 2 (N-1) / N / time``."""
+    return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
+
+
+def _size_list(text: str) -> list[int]:
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no sizes given")
+    return sorted(set(sizes))
+
+
+def _nprocs_list(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or values[0] < 2:
+        raise argparse.ArgumentTypeError(f"process counts must be at least 2, got {text!r}")
+    return values
+
+
+def _lib_list(text: str) -> list[str]:
+    libs = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [lib for lib in libs if lib not in LIBS]
+    if unknown or not libs:
+        raise argparse.ArgumentTypeError(
+            f"unknown librar{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'};"
+            f" choose from {','.join(LIBS)}"
+        )
+    return list(dict.fromkeys(libs))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncreduce bench allreduce",
+        description="Allreduce latency and bus bandwidth of asyncreduce, Gloo (torch.distributed)"
+        " and Open MPI (mpi4py), float32 sum in place, each library in fresh processes on this "
+        "machine.",
+        epilog="example: asyncreduce bench allreduce --quick --json results/allreduce.json",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_size_list,
+        default=None,
+        help=f"comma-separated buffer sizes in bytes, K/M suffixes (default {DEFAULT_SIZES}; "
+        f"with --quick {QUICK_SIZES})",
+    )
+    parser.add_argument(
+        "--nprocs", type=_nprocs_list, default=[2, 4], help="process counts (default 2,4)"
+    )
+    parser.add_argument(
+        "--libs",
+        type=_lib_list,
+        default=list(LIBS),
+        help=f"libraries to compare (default {','.join(LIBS)}); missing ones are skipped",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"sizes {QUICK_SIZES}, --min-time {QUICK_MIN_TIME}, --warmup {QUICK_WARMUP}",
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write every result here")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PATH", help="bus bandwidth vs size, PNG (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--min-time",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help=f"seconds of timed allreduces per point (default {DEFAULT_MIN_TIME})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"untimed allreduces per point, at most (default {DEFAULT_WARMUP}; fewer when slow)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=DEFAULT_REPEATS,
+        metavar="R",
+        help=f"timed repeats per point, the median is reported (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="hard limit per (library, N) worker set (default: scaled to the sizes)",
+    )
+    # The worker side: how the parent starts the ranks; not for people.
+    parser.add_argument("--worker", choices=("asyncreduce", "gloo", "mpi"), help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+@dataclass(frozen=True)
+class Settings:
+    sizes: list[int]
+    nprocs: list[int]
+    libs: list[str]
+    min_time: float
+    warmup: int
+    repeats: int
+    timeout: float | None
+    quick: bool
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        sizes=args.sizes or _size_list(QUICK_SIZES if args.quick else DEFAULT_SIZES),
+        nprocs=args.nprocs,
+        libs=args.libs,
+        min_time=args.min_time or (QUICK_MIN_TIME if args.quick else DEFAULT_MIN_TIME),
+        warmup=args.warmup or (QUICK_WARMUP if args.quick else DEFAULT_WARMUP),
+        repeats=args.repeats,
+        timeout=args.timeout,
+        quick=args.quick,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: 2 for bad arguments, 0 for --help
+        return exc.code if isinstance(exc.code, int) else 1
+    settings = _settings(args)
+    if args.worker:
+        return _worker_main(args.worker, settings, args.parent_pid, args.deadline)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print(
+            f"{_SAY}--plot needs matplotlib, which is not installed: "
+            "pip install 'asyncreduce[plot]' (or drop --plot)",
+            file=sys.stderr,
+        )
+        return 2
+    return _parent_main(settings, args.json, args.plot, argv)
+
+
+# ---- the worker: one rank ------------------------------------------------------------------
+
+
+class _Backend:
+    """What a measurement needs from a library; one subclass per library."""
+
+    rank = 0
+
+    def array(self, count: int) -> Any:
+        return np.zeros(count, dtype=np.float32)
+
+    def allreduce(self, x: Any) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def max(self, value: float) -> float:
+        """The maximum of ``value`` over all ranks (every rank must call it)."""
+        raise NotImplementedError
+
+    def algorithm(self, nbytes: int) -> str:
+        return "-"
+
+    def close(self) -> None:
+        pass
+
+
+class _AsyncReduce(_Backend):
+    def __init__(self) -> None:
+        import asyncreduce as ar
+        from asyncreduce import algorithms
+
+        self._algorithms = algorithms
+        self._comm = ar.init(timeout=60.0)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        self.rank = self._comm.rank
+
+    def allreduce(self, x: Any) -> None:
+        self._comm.allreduce(x)
+
+    def barrier(self) -> None:
+        self._comm.barrier()
+
+    def max(self, value: float) -> float:
+        box = np.array([value], dtype=np.float64)
+        self._comm.allreduce(box, op="max")
+        return float(box[0])
+
+    def algorithm(self, nbytes: int) -> str:
+        # read at run time: the threshold is the library's to change
+        return "doubling" if nbytes <= self._algorithms.SMALL_ALLREDUCE_BYTES else "ring"
+
+    def close(self) -> None:
+        self._comm.close()
+
+
+class _Gloo(_Backend):
+    def __init__(self) -> None:
+        self._torch: Any = importlib.import_module("torch")
+        self._dist: Any = importlib.import_module("torch.distributed")
+        if not self._dist.is_available() or not self._dist.is_gloo_available():
+            raise RuntimeError("this PyTorch build has no Gloo backend")
+        self._dist.init_process_group(
+            "gloo", init_method="env://", timeout=datetime.timedelta(seconds=120)
+        )
+        self.rank = int(self._dist.get_rank())
+
+    def array(self, count: int) -> Any:
+        return self._torch.zeros(count, dtype=self._torch.float32)
+
+    def allreduce(self, x: Any) -> None:
+        self._dist.all_reduce(x)
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def max(self, value: float) -> float:
+        box = self._torch.tensor([value], dtype=self._torch.float64)
+        self._dist.all_reduce(box, op=self._dist.ReduceOp.MAX)
+        return float(box.item())
+
+    def close(self) -> None:
+        self._dist.destroy_process_group()
+
+
+class _Mpi(_Backend):
+    def __init__(self) -> None:
+        self._mpi: Any = importlib.import_module("mpi4py.MPI")
+        self._comm = self._mpi.COMM_WORLD
+        self.rank = int(self._comm.Get_rank())
+
+    def allreduce(self, x: Any) -> None:
+        self._comm.Allreduce(self._mpi.IN_PLACE, x, op=self._mpi.SUM)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def max(self, value: float) -> float:
+        return float(self._comm.allreduce(value, op=self._mpi.MAX))
+
+
+_BACKENDS: dict[str, type[_Backend]] = {"asyncreduce": _AsyncReduce, "gloo": _Gloo, "mpi": _Mpi}
+
+
+def measure(
+    backend: _Backend, nbytes: int, min_time: float, warmup: int, repeats: int
+) -> dict[str, Any]:
+    """Time in-place allreduces of ``nbytes`` of float32 (see the module docstring)."""
+    x = backend.array(nbytes // DTYPE_BYTES)
+    per_repeat = min_time / repeats
+    backend.barrier()
+    start = time.perf_counter()
+    backend.allreduce(x)
+    estimate = backend.max(time.perf_counter() - start)
+    more = min(warmup - 1, int(per_repeat / max(estimate, 1e-9)))
+    if more > 0:
+        backend.barrier()
+        start = time.perf_counter()
+        for _ in range(more):
+            backend.allreduce(x)
+        estimate = backend.max((time.perf_counter() - start) / more)
+    iters = max(1, round(per_repeat / max(estimate, 1e-9)))
+    times = []
+    for _ in range(repeats):
+        backend.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            backend.allreduce(x)
+        backend.barrier()
+        times.append(backend.max((time.perf_counter() - start) / iters))
+    return {
+        "bytes": nbytes,
+        "latency_us": statistics.median(times) * 1e6,
+        "min_us": min(times) * 1e6,
+        "repeats_us": [t * 1e6 for t in times],
+        "iters": iters,
+        "warmup": 1 + max(more, 0),
+        "algorithm": backend.algorithm(nbytes),
+    }
+
+
+def _watchdog(parent_pid: int | None, deadline: float | None) -> None:
+    """Exit (code 3) once the benchmark or this process's own parent (mpirun) is gone, or the
+    deadline has passed: a worker must never outlive the run that started it."""
+    end = None if deadline is None else time.monotonic() + deadline
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if end is not None and time.monotonic() > end:
+                print(f"{_SAY}worker deadline of {deadline:.0f} s passed", file=sys.stderr)
+                os._exit(3)
+            if os.getppid() != launcher or (parent_pid is not None and not _alive(parent_pid)):
+                os._exit(3)
+
+    threading.Thread(target=watch, name="allreduce-bench-watchdog", daemon=True).start()
+
+
+def _worker_main(
+    lib: str, settings: Settings, parent_pid: int | None, deadline: float | None
+) -> int:
+    _watchdog(parent_pid, deadline)
+    started = time.perf_counter()
+    backend = _BACKENDS[lib]()
+
+    def tell(event: str, **fields: Any) -> None:
+        if backend.rank == 0:
+            print(MARK + json.dumps({"event": event, **fields}), flush=True)
+
+    try:
+        tell("ready", init_s=time.perf_counter() - started)
+        for nbytes in settings.sizes:
+            tell("start", bytes=nbytes)
+            result = measure(backend, nbytes, settings.min_time, settings.warmup, settings.repeats)
+            tell("result", **result)
+        backend.barrier()
+        tell("done")
+    finally:
+        backend.close()
+    return 0
+
+
+# ---- the parent: worker sets -----------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    lib: str
+    nprocs: int
+    bytes: int
+    latency_us: float
+    busbw_gbps: float
+    algorithm: str
+    min_us: float
+    repeats_us: list[float]
+    iters: int
+    warmup: int
+
+
+@dataclass
+class Run:
+    """Everything one invocation measured."""
+
+    settings: Settings
+    results: list[Result] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # lib -> why
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    set_seconds: dict[str, float] = field(default_factory=dict)  # "lib N=n" -> wall time
+
+    def get(self, lib: str, nprocs: int, nbytes: int) -> Result | None:
+        for r in self.results:
+            if (r.lib, r.nprocs, r.bytes) == (lib, nprocs, nbytes):
+                return r
+        return None
+
+    def failed(self, lib: str, nprocs: int) -> bool:
+        return any((f["lib"], f["nprocs"]) == (lib, nprocs) for f in self.failures)
+
+
+class WorkerSetError(Exception):
+    """A worker set failed, timed out, or reported something unreadable."""
+
+
+class _NoProgress(WorkerSetError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no progress for {seconds:.1f} s (hung?)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unavailable(lib: str) -> str | None:
+    """Why ``lib`` cannot run here, or None."""
+    if lib == "gloo" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'asyncreduce[torch]')"
+    if lib in ("mpi", "mpi-tcp"):
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
+        if shutil.which("mpirun") is None:
+            return "mpirun is not on PATH (install Open MPI)"
+    return None
+
+
+def _allowance(nbytes: int, nprocs: int, settings: Settings) -> float:
+    """Seconds the parent waits for one size: generous, but bounded (a hang must end)."""
+    ops = settings.warmup + settings.repeats + 2
+    slow_bytes_per_s = 50e6  # ~20x below what a busy 2-core machine does
+    return 30.0 + 4 * settings.min_time + ops * nbytes * nprocs / slow_bytes_per_s
+
+
+class _WorkerSet:
+    """N ranks of one library, each the leader of its own process group."""
+
+    def __init__(self, lib: str, nprocs: int, settings: Settings, deadline: float) -> None:
+        self.lib = lib
+        self.nprocs = nprocs
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[bytes]] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        script = str(Path(__file__).resolve())
+        worker = "mpi" if lib.startswith("mpi") else lib
+        sizes = ",".join(str(s) for s in settings.sizes)
+        command = [
+            sys.executable, script, "--worker", worker, "--sizes", sizes,
+            "--min-time", repr(settings.min_time), "--warmup", str(settings.warmup),
+            "--repeats", str(settings.repeats), "--parent-pid", str(os.getpid()),
+            "--deadline", f"{deadline + 30:.0f}",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        src = _package_root()
+        if src is not None:  # the workers use the same asyncreduce as this process
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+        if lib.startswith("mpi"):
+            tcp = _MPI_TCP if lib == "mpi-tcp" else ()
+            self._start(["mpirun", "-n", str(nprocs), *_MPIRUN_ROOT, *tcp, *command], env, True)
+        else:
+            port = _free_port()
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs))
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like the others
+            for rank in range(nprocs):
+                self._start(command, dict(env, RANK=str(rank)), rank == 0)
+
+    def _start(self, command: list[str], env: dict[str, str], reports: bool) -> None:
+        log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if reports else subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,  # its own process group: killpg reaches what it starts
+        )
+        self.procs.append(proc)
+        if reports:
+            assert proc.stdout is not None
+            threading.Thread(
+                target=self._read, args=(proc.stdout,), name="allreduce-bench-reader", daemon=True
+            ).start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        try:
+            for raw in pipe:
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.startswith(MARK):
+                    self.lines.put(line[len(MARK) :])
+        finally:
+            self.lines.put(None)
+
+    def next_message(self, timeout: float) -> dict[str, Any]:
+        """The next report of rank 0; raises WorkerSetError on a timeout or a failed rank."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.failed_rank() is not None:
+                time.sleep(0.5)  # let the others exit and their errors reach their logs too
+                raise WorkerSetError(self.failed_rank() or "a rank failed")
+            try:
+                line = self.lines.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    raise _NoProgress(timeout) from None
+                continue
+            if line is None:
+                for proc in self.procs:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=2.0)
+                raise WorkerSetError(self.failed_rank() or "rank 0 closed its output early")
+            try:
+                message: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                raise WorkerSetError(f"unreadable report from rank 0: {line!r}") from None
+            return message
+
+    def failed_rank(self) -> str | None:
+        """Who exited with an error (all of them, the killed first), or None."""
+        failed = []
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code not in (None, 0):
+                who = "mpirun" if self.lib.startswith("mpi") else f"rank {rank}"
+                how = f"killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
+                failed.append((code >= 0, f"{who} {how}"))
+        return "; ".join(text for _, text in sorted(failed)) or None
+
+    def finish(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.01, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise WorkerSetError("workers did not exit after finishing") from None
+        failed = self.failed_rank()
+        if failed:
+            raise WorkerSetError(failed)
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        tails = []
+        for index, log in enumerate(self.logs):
+            log.seek(0)
+            text = log.read().decode(errors="replace").strip()
+            if text:
+                who = "mpirun" if self.lib.startswith("mpi") else f"rank {index}"
+                tail = "\n".join("    " + ln for ln in text.splitlines()[-lines:])
+                tails.append(f"  stderr of {who}:\n{tail}")
+        return "\n".join(tails)
+
+    def kill(self) -> None:
+        """SIGTERM every process group, then SIGKILL whatever is left in them; reap all."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in self.procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)  # a group can outlive its leader: sweep it anyway
+            end = time.monotonic() + _GRACE_S
+            for proc in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.01, end - time.monotonic()))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for log in self.logs:
+            log.close()
+
+
+def _package_root() -> Path | None:
+    spec = importlib.util.find_spec("asyncreduce")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _worker_set(lib: str, nprocs: int, settings: Settings, deadline: float) -> Iterator[_WorkerSet]:
+    workers = _WorkerSet(lib, nprocs, settings, deadline)
+    try:
+        yield workers
+    finally:
+        workers.kill()
+        workers.close()
+
+
+class _Progress:
+    """One line on stderr, rewritten in place on a terminal, one line per step otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def end(self, text: str) -> None:
+        self.show(text)
+        if self.tty:
+            sys.stderr.write("\n")
+            self.width = 0
+
+
+def _run_set(lib: str, nprocs: int, settings: Settings, run: Run, progress: _Progress) -> None:
+    tag = f"[{lib} N={nprocs}]"
+    allowances = [_allowance(s, nprocs, settings) for s in settings.sizes]
+    limit = settings.timeout or (_STARTUP_ALLOWANCE_S + sum(allowances))
+    started = time.monotonic()
+    end = started + limit
+    over = f"hard timeout: the set ran over its limit of {limit:.1f} s" + (
+        " (--timeout)" if settings.timeout else ""
+    )
+    progress.show(f"{tag} starting {nprocs} processes ...")
+    with _worker_set(lib, nprocs, settings, limit) as workers:
+        try:
+            allowance = _STARTUP_ALLOWANCE_S
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise WorkerSetError(over)
+                try:
+                    message = workers.next_message(min(allowance, left))
+                except _NoProgress:
+                    if allowance < left:
+                        raise
+                    raise WorkerSetError(over) from None
+                event = message.get("event")
+                if event == "start":
+                    nbytes = int(message["bytes"])
+                    allowance = allowances[settings.sizes.index(nbytes)]
+                    progress.show(f"{tag} {format_size(nbytes)} ...")
+                elif event == "result":
+                    nbytes = int(message["bytes"])
+                    seconds = float(message["latency_us"]) / 1e6
+                    run.results.append(
+                        Result(
+                            lib=lib,
+                            nprocs=nprocs,
+                            bytes=nbytes,
+                            latency_us=float(message["latency_us"]),
+                            busbw_gbps=busbw_gbps(nbytes, nprocs, seconds),
+                            algorithm=str(message["algorithm"]),
+                            min_us=float(message["min_us"]),
+                            repeats_us=[float(t) for t in message["repeats_us"]],
+                            iters=int(message["iters"]),
+                            warmup=int(message["warmup"]),
+                        )
+                    )
+                elif event == "done":
+                    workers.finish(timeout=max(1.0, min(30.0, end - time.monotonic())))
+                    break
+        except WorkerSetError as exc:
+            workers.kill()
+            detail = workers.stderr_tail()
+            run.failures.append({"lib": lib, "nprocs": nprocs, "error": str(exc), "stderr": detail})
+            progress.end(f"{tag} FAILED: {exc}")
+            if detail:
+                print(detail, file=sys.stderr)
+            return
+    took = time.monotonic() - started
+    run.set_seconds[f"{lib} N={nprocs}"] = round(took, 2)
+    progress.end(f"{tag} done in {took:.1f} s")
+
+
+# ---- the parent: report ---------------------------------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _open_mpi_version() -> str | None:
+    if shutil.which("mpirun") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = (out.stdout or out.stderr).strip().splitlines()
+    return first[0] if first else None
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def machine_info() -> dict[str, Any]:
+    from asyncreduce import algorithms
+
+    return {
+        "cores": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": _version("torch"),
+        "mpi4py": _version("mpi4py"),
+        "open_mpi": _open_mpi_version(),
+        "asyncreduce": _version("asyncreduce"),
+        "small_allreduce_bytes": algorithms.SMALL_ALLREDUCE_BYTES,
+    }
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    parts = [
+        f"{machine['cores']} cores" + (f" ({machine['cpu']})" if machine["cpu"] else ""),
+        machine["platform"],
+        f"Python {machine['python']}",
+        f"numpy {machine['numpy']}",
+        f"torch {machine['torch'] or 'not installed'}",
+        f"mpi4py {machine['mpi4py'] or 'not installed'}",
+        machine["open_mpi"] or "Open MPI not found",
+        f"asyncreduce {machine['asyncreduce']} (doubling up to "
+        f"{format_size(machine['small_allreduce_bytes'])}, ring above)",
+    ]
+    return "machine: " + "; ".join(parts)
+
+
+def _fmt_us(value: float) -> str:
+    if value < 10:
+        return f"{value:.2f}"
+    if value < 1000:
+        return f"{value:.1f}"
+    return f"{value:.0f}"
+
+
+def _fmt_gbps(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def table(run: Run, nprocs: int) -> str:
+    """The text table for one process count: one row per size."""
+    s = run.settings
+    libs = [lib for lib in LIBS if lib in s.libs and lib not in run.skipped]  # fixed order
+    others = [lib for lib in libs if lib != "asyncreduce"]
+    ratios: list[tuple[str, str]] = []  # (header, kind:lib)
+    if "asyncreduce" in libs:
+        if "gloo" in others:
+            ratios.append(("lat/gloo", "lat:gloo"))
+        ratios += [(f"bw/{lib}", f"bw:{lib}") for lib in others]
+    headers = ["size", "alg"]
+    groups: list[tuple[str, int]] = [("", 2)]
+    for lib in libs:
+        headers += ["us", "GB/s"]
+        groups.append((lib, 2))
+    if ratios:
+        headers += [h for h, _ in ratios]
+        groups.append(("asyncreduce / other", len(ratios)))
+    rows: list[list[str]] = []
+    for nbytes in s.sizes:
+        mine = run.get("asyncreduce", nprocs, nbytes)
+        row = [format_size(nbytes), mine.algorithm if mine else "-"]
+        for lib in libs:
+            r = run.get(lib, nprocs, nbytes)
+            if r is None:
+                cell = "fail" if run.failed(lib, nprocs) else "-"
+                row += [cell, cell]
+            else:
+                row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps)]
+        for _, key in ratios:
+            kind, lib = key.split(":", 1)
+            other = run.get(lib, nprocs, nbytes)
+            if mine is None or other is None:
+                row.append("-")
+            elif kind == "lat":
+                row.append(f"{mine.latency_us / other.latency_us:.2f}x")
+            else:
+                row.append(f"{mine.busbw_gbps / other.busbw_gbps:.2f}x")
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths[0] = max(widths[0], 7)
+    # widen a group's columns until its title fits above them
+    col = 0
+    for title, span in groups:
+        needed = len(title) - (sum(widths[col : col + span]) + 2 * (span - 1))
+        if needed > 0:
+            widths[col + span - 1] += needed
+        col += span
+    sep = "  "
+    line1, col = [], 0
+    for title, span in groups:
+        width = sum(widths[col : col + span]) + len(sep) * (span - 1)
+        line1.append(title.center(width))
+        col += span
+    out = [
+        f"N={nprocs}: allreduce of float32 (sum, in place); us = median time per allreduce, "
+        "GB/s = bus bandwidth = bytes*2(N-1)/N/time",
+        (sep * 2).join(line1).rstrip(),
+    ]
+
+    # a double gap between groups keeps the libraries apart
+    def render(cells: list[str]) -> str:
+        parts, col = [], 0
+        for _, span in groups:
+            chunk = [
+                (cells[i].ljust(widths[i]) if i == 0 else cells[i].rjust(widths[i]))
+                for i in range(col, col + span)
+            ]
+            parts.append(sep.join(chunk))
+            col += span
+        return (sep * 2).join(parts).rstrip()
+
+    out.append(render(headers))
+    out += [render(r) for r in rows]
+    return "\n".join(out)
+
+
+def report(run: Run, machine: dict[str, Any]) -> str:
+    lines = [_machine_line(machine)]
+    for lib, why in run.skipped.items():
+        lines.append(f"skipped {lib}: {why}")
+    for f in run.failures:
+        lines.append(f"FAILED {f['lib']} N={f['nprocs']}: {f['error']}")
+    s = run.settings
+    lines.append(
+        f"settings: min-time {s.min_time} s per point, {s.repeats} repeats (median), "
+        f"warm-up up to {s.warmup}{', quick' if s.quick else ''}"
+    )
+    for nprocs in s.nprocs:
+        lines += ["", table(run, nprocs)]
+    return "\n".join(lines)
+
+
+def write_json(
+    path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
+) -> None:
+    document = {
+        "benchmark": "allreduce",
+        "command": {
+            "line": shlex.join(["asyncreduce", "bench", "allreduce", *argv]),
+            "argv": list(argv),
+            "sys_argv": list(sys.argv),
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 2),
+        "machine": machine,
+        "settings": asdict(run.settings),
+        "skipped": run.skipped,
+        "failures": run.failures,
+        "set_seconds": run.set_seconds,
+        "results": [asdict(r) for r in run.results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def plot(path: Path, run: Run) -> None:
+    """Bus bandwidth against size (log x), one line per library, one panel per N."""
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+    ns = run.settings.nprocs
+    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), sharey=True, squeeze=False)
+    for ax, nprocs in zip(axes[0], ns, strict=True):
+        for lib in (lib for lib in LIBS if lib in run.settings.libs):
+            points = sorted(
+                (r.bytes, r.busbw_gbps) for r in run.results if (r.lib, r.nprocs) == (lib, nprocs)
+            )
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=lib)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(run.settings.sizes)
+        ax.set_xticklabels([format_size(s).replace(" ", "") for s in run.settings.sizes])
+        ax.tick_params(axis="x", labelrotation=45)
+        ax.set_title(f"allreduce, N={nprocs}")
+        ax.set_xlabel("buffer size (float32)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parent_main(
+    settings: Settings, json_path: Path | None, plot_path: Path | None, argv: Sequence[str]
+) -> int:
+    started = time.monotonic()
+    run = Run(settings)
+    for lib in settings.libs:
+        why = _unavailable(lib)
+        if why:
+            run.skipped[lib] = why
+            print(f"{_SAY}skipping {lib}: {why}", file=sys.stderr)
+    progress = _Progress()
+    interrupted = False
+    try:
+        for nprocs in settings.nprocs:
+            for lib in settings.libs:
+                if lib not in run.skipped:
+                    _run_set(lib, nprocs, settings, run, progress)
+    except KeyboardInterrupt:  # the worker set is already torn down; report what we have
+        interrupted = True
+        progress.end(f"{_SAY}interrupted; partial results follow")
+    elapsed = time.monotonic() - started
+    machine = machine_info()
+    print(report(run, machine))
+    print(f"\n(total {elapsed:.1f} s)")
+    if json_path is not None:
+        write_json(json_path, run, machine, argv, elapsed)
+        print(f"wrote {json_path}")
+    if plot_path is not None and run.results:
+        plot(plot_path, run)
+        print(f"wrote {plot_path}")
+    if interrupted:
+        return 130
+    return 1 if run.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

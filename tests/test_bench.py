@@ -1,0 +1,67 @@
+"""``asyncreduce bench``: finding benchmarks, and a short real run of the allreduce benchmark.
+
+The end-to-end test runs ``python -m asyncreduce bench allreduce`` as a user would (fresh worker
+processes, JSON out) on two small sizes and checks the JSON, not the timings. Gloo joins the run
+when PyTorch is installed; without it the test still checks asyncreduce alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncreduce import bench
+from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
+
+SIZES = (4 << 10, 256 << 10)
+
+
+def test_lists_and_rejects_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "allreduce" in bench.available()
+    assert bench.main(["--list"]) == 0
+    assert "allreduce" in capsys.readouterr().out
+    assert bench.main(["no-such-benchmark"]) == 2
+    assert "unknown benchmark 'no-such-benchmark'" in capsys.readouterr().err
+    assert bench.main([]) == 2
+
+
+def test_missing_benchmarks_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "BENCHMARKS_DIR", tmp_path / "nowhere")
+    assert bench.main(["allreduce"]) == 2
+    assert "no benchmarks folder" in capsys.readouterr().err
+
+
+def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
+    libs = ["asyncreduce"]
+    if importlib.util.find_spec("torch") is not None:
+        libs.append("gloo")
+    out = tmp_path / "allreduce.json"
+    command = [
+        sys.executable, "-m", "asyncreduce", "bench", "allreduce", "--nprocs", "2",
+        "--sizes", "4K,256K", "--libs", ",".join(libs), "--min-time", "0.05",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "N=2" in done.stdout and "4 KiB" in done.stdout and "256 KiB" in done.stdout
+
+    document = json.loads(out.read_text())
+    assert document["benchmark"] == "allreduce"
+    assert document["failures"] == [] and document["skipped"] == {}
+    assert document["machine"]["cores"] >= 1
+    assert "--json" in document["command"]["argv"]
+    results = {(r["lib"], r["nprocs"], r["bytes"]): r for r in document["results"]}
+    assert set(results) == {(lib, 2, size) for lib in libs for size in SIZES}
+    for (lib, _, size), r in results.items():
+        assert r["latency_us"] > 0 and r["busbw_gbps"] > 0 and r["iters"] >= 1
+        if lib == "asyncreduce":
+            assert r["algorithm"] == ("doubling" if size <= SMALL_ALLREDUCE_BYTES else "ring")
+        else:
+            assert r["algorithm"] == "-"

@@ -17,7 +17,9 @@ import asyncreduce as ar
 def main() -> None:
     with ar.init() as comm:
         rank, n = comm.rank, comm.world_size
-        grads = {f"layer{i}.grad": np.full(250_000 * (i + 1), float(rank + 1), np.float32) for i in range(4)}
+        grads = {
+            f"layer{i}.grad": np.full(250_000 * (i + 1), float(rank + 1), np.float32) for i in range(4)
+        }
 
         # Post every allreduce at once, each from its own thread, in a different order per rank.
         requests: dict[str, ar.Request[np.ndarray]] = {}

@@ -259,7 +259,7 @@ def test_close_fails_pending_requests_and_leaves_no_thread_or_socket() -> None:
     assert sockets_left == 0
 
 
-# ---- per-call timeout -----------------------------------------------------------------------------
+# ---- per-call timeout ---------------------------------------------------------------------------
 
 
 def body_timeout(comm: ar.Communicator) -> str:

@@ -5,7 +5,8 @@ Theory of operation (n ranks, p the largest power of two <= n, extra = n - p):
 * step 0 (only if n is not a power of two): each even rank r < 2*extra sends its whole buffer
   to r+1 and sits out; r+1 combines it. The p ranks left take virtual ranks 0..p-1.
 * steps 1..log2(p): virtual rank v exchanges its whole buffer with v xor 2^(step-1) and
-  combines. Both partners combine the same two operands, so they stay bitwise equal.
+  combines. Both partners combine the same two operands in the same order (the lower rank's
+  first), so they stay bitwise equal.
 * last step (only if n is not a power of two): r+1 sends the result back to r.
 
 log2(p) + 2 rounds at most, each moving the whole buffer: right when latency, not bandwidth,
@@ -70,7 +71,7 @@ class RecursiveDoubling(Collective):
         return self._advance()
 
     def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
-        fresh = step not in self._early and step >= self._step
+        fresh = not self.done and step not in self._early and step >= self._step
         if self._schedule().get(step) != src or seg != 0 or not fresh:
             raise ProtocolError(f"recursive doubling: unexpected step {step} from rank {src}")
         target = self.buffer if step == self._last_step else self.buffer.copy()
@@ -94,7 +95,8 @@ class RecursiveDoubling(Collective):
                 self._sent_step = step
             if step not in self._early:
                 return sends
-            combine(self.dtype, self.reduce_op, self.buffer, self._early.pop(step))
+            partner_first = self._schedule()[step] < self.rank  # same operand order on both
+            combine(self.dtype, self.reduce_op, self.buffer, self._early.pop(step), partner_first)
             self._step += 1
         if self._step == self._rounds + 1:
             self._step += 1

@@ -1,8 +1,8 @@
 """Element types and reductions, applied in place with numpy.
 
-Every reduction is commutative, so two ranks that combine the same two operands in either
-order get bitwise the same result; the algorithms rely on that for identical results on every
-rank. ``avg`` is a sum on the wire, divided by the world size once at the end.
+Every reduction is commutative in value; in bits only if both ranks combine two operands in
+the same order (see ``combine``), which the algorithms do, so every rank ends bitwise equal.
+``avg`` is a sum on the wire, divided by the world size once at the end.
 
 bfloat16 (torch only) travels as its raw 16-bit pattern; it is widened to float32 to combine
 and rounded back to nearest-even, which is what PyTorch does on the CPU.
@@ -14,7 +14,7 @@ numpy's floating-point warnings off for itself, so nothing here pays for an errs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -88,21 +88,39 @@ def _f32_to_bf16(values: NDArray[np.float32], out: NDArray[np.uint16]) -> None:
     out[...] = rounded
 
 
-def combine(dtype: DType, op: str, acc: NDArray[np.generic], incoming: NDArray[np.generic]) -> None:
-    """acc = acc (op) incoming, in place."""
+def combine(
+    dtype: DType,
+    op: str,
+    acc: NDArray[np.generic],
+    incoming: NDArray[np.generic],
+    incoming_first: bool = False,
+) -> None:
+    """acc = acc (op) incoming, in place; ``incoming (op) acc`` if ``incoming_first``.
+
+    The operations are commutative in value but not always in bits (max(-0.0, +0.0), which NaN
+    payload a sum keeps), so an algorithm in which two ranks combine the same two operands
+    must give them in the same order on both, e.g. lower rank first.
+    """
     ufunc = _UFUNCS[op]
+    first, second = (incoming, acc) if incoming_first else (acc, incoming)
     if dtype.name == "bfloat16":
-        widened = ufunc(_bf16_to_f32(acc), _bf16_to_f32(incoming))  # type: ignore[arg-type]
+        widened = ufunc(_bf16_to_f32(first), _bf16_to_f32(second))  # type: ignore[arg-type]
         _f32_to_bf16(widened, acc)  # type: ignore[arg-type]
     else:
-        ufunc(acc, incoming, out=acc)
+        ufunc(first, second, out=acc)
 
 
 def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int) -> None:
-    """Apply what an operation does once after combining: ``avg`` divides by the world size."""
+    """Apply what an operation does once after combining: ``avg`` divides by the world size
+    (integers: exactly, rounding toward zero; the communicator accepts ``avg`` for floats only)."""
     if op != "avg" or world_size == 1:
         return
-    if dtype.name == "bfloat16":
+    if not dtype.is_float:  # exact integer division, rounding toward zero as C does
+        ints: NDArray[Any] = values
+        inexact = np.remainder(ints, world_size) != 0
+        np.floor_divide(ints, world_size, out=ints)
+        ints += (inexact & (ints < 0)).astype(ints.dtype)
+    elif dtype.name == "bfloat16":
         _f32_to_bf16(_bf16_to_f32(values) / np.float32(world_size), values)  # type: ignore[arg-type]
     else:
         np.divide(values, world_size, out=values, casting="unsafe")

@@ -17,9 +17,9 @@ import asyncreduce as ar
 def main() -> None:
     with ar.init() as comm:
         rank, n = comm.rank, comm.world_size
-        grads = {
-            f"layer{i}.grad": np.full(250_000 * (i + 1), float(rank + 1), np.float32) for i in range(4)
-        }
+        sizes = [250_000 * (i + 1) for i in range(4)]
+        value = float(rank + 1)
+        grads = {f"layer{i}.grad": np.full(s, value, np.float32) for i, s in enumerate(sizes)}
 
         # Post every allreduce at once, each from its own thread, in a different order per rank.
         requests: dict[str, ar.Request[np.ndarray]] = {}

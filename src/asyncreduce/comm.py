@@ -216,6 +216,15 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def _mpirun_default(addr: str | None, port: int | None) -> tuple[str | None, int | None]:
+    """Under mpirun on one host, a store address every rank of the job derives alike."""
+    size, local_size = _env_int("OMPI_COMM_WORLD_SIZE"), _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
+    job = os.environ.get("OMPI_MCA_ess_base_jobid", "")
+    if size is None or size != local_size or not job.isdigit():
+        return addr, port
+    return addr or "127.0.0.1", port if port is not None else 20000 + int(job) % 20000
+
+
 def _local_address(master_addr: str) -> str:
     """The address of this host on the route to the master (no packet is sent)."""
     override = os.environ.get("ASYNCREDUCE_ADDR")
@@ -242,7 +251,9 @@ def init(
 
     Anything not given is read from the environment: RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT (torchrun, ``asyncreduce run``), or OMPI_COMM_WORLD_RANK/SIZE and PMI_RANK/SIZE
-    under mpirun. ``init_method`` may be ``tcp://host:port`` or ``file:///shared/dir``.
+    under mpirun (on one host, mpirun needs no MASTER_ADDR/MASTER_PORT: they derive from the
+    job id; across hosts pass them with ``mpirun -x``). ``init_method`` may be
+    ``tcp://host:port`` or ``file:///shared/dir``.
     Raises TimeoutError naming the ranks that did not join within ``timeout`` seconds.
     """
     rank = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -262,6 +273,8 @@ def init(
         return Communicator(0, 1, None)
     master_addr = master_addr or os.environ.get("MASTER_ADDR")
     master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
+    if init_method is None and (master_addr is None or master_port is None):
+        master_addr, master_port = _mpirun_default(master_addr, master_port)
     deadline = time.monotonic() + timeout
     from .rendezvous import gather, store_from_env_or_args
 

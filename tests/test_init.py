@@ -27,7 +27,7 @@ with ar.init(timeout=30) as comm:
 
 def test_the_main_job_runs_under_the_launcher() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "asyncreduce", "run", "-n", "3", str(ROOT / "examples" / "hello.py")],
+        [sys.executable, "-m", "asyncreduce", "run", "-n", "3", str(ROOT / "examples/hello.py")],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if "as expected" in line]

@@ -219,7 +219,7 @@ def _env_int(*names: str) -> int | None:
 def _mpirun_default(addr: str | None, port: int | None) -> tuple[str | None, int | None]:
     """Under mpirun on one host, a store address every rank of the job derives alike."""
     size, local_size = _env_int("OMPI_COMM_WORLD_SIZE"), _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
-    job = os.environ.get("OMPI_MCA_ess_base_jobid", "")
+    job = os.environ.get("OMPI_MCA_ess_base_jobid", "")  # noqa: SIM112 (Open MPI's spelling)
     if size is None or size != local_size or not job.isdigit():
         return addr, port
     return addr or "127.0.0.1", port if port is not None else 20000 + int(job) % 20000

@@ -45,6 +45,7 @@ log = logging.getLogger("asyncreduce.engine")
 Key = tuple[bytes, int]
 _FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
+_SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before their operation
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "reduce_scatter", 5: "barrier"}
@@ -87,6 +88,32 @@ class Operation:
     deadline: float = field(default=0.0, init=False)
 
 
+class _Spares:
+    """Recycled payload buffers for frames that arrive before their operation is posted.
+
+    Such frames are common when ranks run back-to-back operations; a fresh buffer per frame
+    would cost a memset and page faults each time.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._free: dict[int, list[memoryview]] = {}
+        self._bytes = 0
+        self._limit = limit
+
+    def take(self, size: int) -> memoryview:
+        free = self._free.get(size)
+        if free:
+            self._bytes -= size
+            return free.pop()
+        return _bytes_of(np.empty(size, np.uint8))
+
+    def give(self, buffer: memoryview) -> None:
+        size = buffer.nbytes
+        if size and self._bytes + size <= self._limit and not buffer.readonly:
+            self._free.setdefault(size, []).append(buffer)
+            self._bytes += size
+
+
 class Engine(FrameSink):
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
@@ -107,6 +134,7 @@ class Engine(FrameSink):
         self._landing: dict[int, tuple[Operation, Array]] = {}
         self._deadlines: list[tuple[float, int, Operation]] = []
         self._order = itertools.count()
+        self._spares = _Spares(_SPARE_BYTES)
         self.transport = make_transport(self)
         self._thread = threading.Thread(
             target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
@@ -223,7 +251,9 @@ class Engine(FrameSink):
             heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))
         if self._guarded(op, op.algo.start):
             for peer, header, payload in self._unexpected.pop(op.key, []):
-                if not self._accept(op, peer, header, payload):
+                accepted = self._accept(op, peer, header, payload)
+                self._spares.give(payload)
+                if not accepted:
                     break
         self._maybe_complete(op)
 
@@ -314,7 +344,11 @@ class Engine(FrameSink):
 
     def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
         op = self._ops.get(header.key)
-        if header.type != DATA or op is None or not self._matches(op, peer, header):
+        if header.type != DATA:
+            return None
+        if op is None:  # not posted here yet: it waits in a recycled buffer
+            return self._spares.take(header.payload_len)
+        if not self._matches(op, peer, header):
             return None
         try:
             target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
@@ -344,6 +378,7 @@ class Engine(FrameSink):
             if self._guarded(op, lambda: op.algo.on_message(peer, header.step, header.seg, target)):
                 self._maybe_complete(op)
         elif self._accept(op, peer, header, payload):
+            self._spares.give(payload)
             self._maybe_complete(op)
 
     def _accept(self, op: Operation, peer: int, header: Header, payload: memoryview) -> bool:

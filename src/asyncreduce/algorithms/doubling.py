@@ -41,7 +41,8 @@ class RecursiveDoubling(Collective):
         self._step = 0  # the next step this rank performs
         self._sent_step = 0
         self._early: dict[int, Array] = {}
-        self._expected = len(self._schedule())
+        self._sources = self._schedule()  # step -> the rank this one receives from
+        self._expected = len(self._sources)
 
     def _real(self, virtual: int) -> int:
         return virtual * 2 + 1 if virtual < self._extra else virtual + self._extra
@@ -59,7 +60,7 @@ class RecursiveDoubling(Collective):
     def pending_sources(self) -> set[int]:
         if self.done:
             return set()
-        waiting = self._schedule().items()
+        waiting = self._sources.items()
         return {src for step, src in waiting if step >= self._step and step not in self._early}
 
     def start(self) -> list[Send]:
@@ -67,12 +68,12 @@ class RecursiveDoubling(Collective):
             return []
         if self._sits_out:
             return [Send(self.rank + 1, 0, 0, self.buffer.copy())]
-        self._step = 0 if 0 in self._schedule() else 1
+        self._step = 0 if 0 in self._sources else 1
         return self._advance()
 
     def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
         fresh = not self.done and step not in self._early and step >= self._step
-        if self._schedule().get(step) != src or seg != 0 or not fresh:
+        if self._sources.get(step) != src or seg != 0 or not fresh:
             raise ProtocolError(f"recursive doubling: unexpected step {step} from rank {src}")
         target = self.buffer if step == self._last_step else self.buffer.copy()
         return self._check_size("recursive doubling", target, nbytes)
@@ -90,12 +91,12 @@ class RecursiveDoubling(Collective):
         while self._step <= self._rounds:
             step = self._step
             if step >= 1 and self._sent_step < step:
-                partner = self._schedule()[step]
+                partner = self._sources[step]
                 sends.append(Send(partner, step, 0, self.buffer.copy()))
                 self._sent_step = step
             if step not in self._early:
                 return sends
-            partner_first = self._schedule()[step] < self.rank  # same operand order on both
+            partner_first = self._sources[step] < self.rank  # same operand order on both
             combine(self.dtype, self.reduce_op, self.buffer, self._early.pop(step), partner_first)
             self._step += 1
         if self._step == self._rounds + 1:

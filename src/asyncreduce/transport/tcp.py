@@ -219,25 +219,27 @@ class TcpTransport(Transport):
     def _read_once(self, peer: _Peer) -> bool:
         """One recv; returns False when the socket has nothing more (or the peer is gone)."""
         if peer.payload is not None:
+            wanted = len(peer.payload) - peer.filled
             n = peer.sock.recv_into(peer.payload[peer.filled :])
             if n == 0:
                 return self._eof(peer)
             peer.filled += n
-            if peer.filled == len(peer.payload):
+            if n == wanted:
                 self._deliver(peer)
-            return True
+            return n == wanted  # a short read means the socket is drained for now
         if peer.lo == peer.hi:
             peer.lo = peer.hi = 0
         elif peer.hi == len(peer.stage):
             peer.stage[: peer.hi - peer.lo] = peer.stage[peer.lo : peer.hi]
             peer.hi -= peer.lo
             peer.lo = 0
+        room = len(peer.stage) - peer.hi
         n = peer.sock.recv_into(peer.stage_view[peer.hi :])
         if n == 0:
             return self._eof(peer)
         peer.hi += n
         self._parse_staged(peer)
-        return peer.rank in self._peers
+        return n == room and peer.rank in self._peers  # a short read: drained for now
 
     def _parse_staged(self, peer: _Peer) -> None:
         """Take every complete header out of the staging buffer, and what payload follows it."""

@@ -39,15 +39,6 @@ def store_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "asyncreduce-store"]
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_server_thread() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 2.0
-    while store_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not store_threads(), "a test left a store server thread running"
-
-
 @pytest.fixture
 def server() -> Iterator[TCPStore]:
     with TCPStore(LOCAL, 0, is_server=True, timeout=5.0) as store:

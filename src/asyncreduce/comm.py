@@ -13,10 +13,12 @@ in place (or in a new object, for ``inplace=False``, allgather and reduce_scatte
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
 import time
+import weakref
 from collections import defaultdict
 from types import TracebackType
 from typing import Any
@@ -34,6 +36,14 @@ from .transport.tcp import TcpTransport, connect_mesh
 __all__ = ["Communicator", "init"]
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+_OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_forgotten() -> None:
+    """A program that ends without close() still says goodbye, so its peers see an orderly close."""
+    for comm in list(_OPEN):
+        comm.close()
 
 
 class Communicator:
@@ -47,6 +57,7 @@ class Communicator:
         self._key_lock = threading.Lock()
         self._posted: defaultdict[str, int] = defaultdict(int)
         self._closed = False
+        _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
 

@@ -29,8 +29,10 @@ from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, build
 from .buffers import Buffer, as_buffer
 from .engine import Engine, Operation
 from .errors import UsageError
+from .rendezvous import Store, gather, store_from_env_or_args
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
+from .transport.shm import Arena, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport, connect_mesh
 
 __all__ = ["Communicator", "init"]
@@ -249,6 +251,59 @@ def _local_address(master_addr: str) -> str:
             return "127.0.0.1"
 
 
+def _share_memory(
+    store: Store, rank: int, world_size: int, deadline: float
+) -> dict[int, tuple[Arena, Arena]]:
+    """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)}.
+
+    Arena files are unlinked once every rank has mapped its arenas, so nothing is left behind
+    however the job ends. ASYNCREDUCE_SHM=0 on any rank keeps that rank on TCP only (its
+    identity then matches nobody's, so both sides of each pair agree).
+    """
+    enabled = os.environ.get("ASYNCREDUCE_SHM", "1") != "0"
+    me = host_identity() if enabled else f"tcp-only-{rank}-{os.getpid()}"
+    remaining = max(0.001, deadline - time.monotonic())
+    idents = gather(store, "asyncreduce/host", rank, world_size, me.encode(), remaining)
+    local = [p for p in range(world_size) if p != rank and idents[p] == me.encode()]
+    outgoing: dict[int, tuple[str, Arena]] = {}
+    arenas: dict[int, tuple[Arena, Arena]] = {}
+    try:
+        for peer in local:
+            outgoing[peer] = create_arena()
+            store.set(f"asyncreduce/shm/{rank}/{peer}", outgoing[peer][0].encode())
+        for peer in local:
+            wait = max(0.001, deadline - time.monotonic())
+            theirs = store.get(f"asyncreduce/shm/{peer}/{rank}", wait).decode()
+            arenas[peer] = (outgoing[peer][1], open_arena(theirs))
+        gather(
+            store,
+            "asyncreduce/shm-mapped",
+            rank,
+            world_size,
+            b"",
+            max(0.001, deadline - time.monotonic()),
+        )
+    except BaseException:
+        for _, arena in outgoing.values():
+            arena.close()
+        for _, incoming in arenas.values():
+            incoming.close()
+        raise
+    finally:
+        for path, _ in outgoing.values():
+            os.unlink(path)
+    return arenas
+
+
+def _leave_store(store: Store, rank: int, world_size: int, deadline: float) -> None:
+    """Rank 0 serves the store: it closes it only once every other rank is done with it."""
+    if rank != 0:
+        store.set(f"asyncreduce/left/{rank}", b"")
+        return
+    for peer in range(1, world_size):
+        store.get(f"asyncreduce/left/{peer}", max(0.001, deadline - time.monotonic()))
+
+
 def init(
     rank: int | None = None,
     world_size: int | None = None,
@@ -287,8 +342,6 @@ def init(
     if init_method is None and (master_addr is None or master_port is None):
         master_addr, master_port = _mpirun_default(master_addr, master_port)
     deadline = time.monotonic() + timeout
-    from .rendezvous import gather, store_from_env_or_args
-
     store = store_from_env_or_args(rank, world_size, master_addr, master_port, init_method, timeout)
     try:
         host = _local_address(master_addr or "127.0.0.1")
@@ -307,7 +360,9 @@ def init(
                 (a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found
             ]
             socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
+            arenas = _share_memory(store, rank, world_size, deadline)
+            _leave_store(store, rank, world_size, deadline)
     finally:
         store.close()
-    engine = Engine(rank, world_size, lambda sink: TcpTransport(rank, socks, sink))
+    engine = Engine(rank, world_size, lambda sink: TcpTransport(rank, socks, sink, arenas))
     return Communicator(rank, world_size, engine)

@@ -131,6 +131,7 @@ class Engine(FrameSink):
         self._ops: dict[Key, Operation] = {}
         self._unexpected: dict[Key, list[tuple[int, Header, memoryview]]] = {}
         self._failed: OrderedDict[Key, BaseException] = OrderedDict()
+        self._done: OrderedDict[Key, Descriptor] = OrderedDict()
         self._landing: dict[int, tuple[Operation, Array]] = {}
         self._deadlines: list[tuple[float, int, Operation]] = []
         self._order = itertools.count()
@@ -183,6 +184,7 @@ class Engine(FrameSink):
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
             self._break(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
+            self._take_submitted()  # fails what was submitted meanwhile (the engine is broken)
             self._drain_until_close()
         finally:
             self.transport.close()
@@ -190,9 +192,7 @@ class Engine(FrameSink):
     def _say_goodbye(self) -> None:
         """Closing handshake: GOODBYE to all, then read until every peer has closed too."""
         self._stopping = True
-        reason = f"rank {self.rank} has closed its communicator"
-        if self._broken is not None:
-            reason += f" (it was broken: {self._broken})"
+        reason = f"it was broken: {self._broken}" if self._broken is not None else ""
         self.transport.send_goodbye(reason.encode()[:MAX_ERROR_BYTES])
         deadline = time.monotonic() + _LINGER
         while self.transport.open_peers() and time.monotonic() < deadline:
@@ -243,7 +243,7 @@ class Engine(FrameSink):
             return
         earlier = self._failed.get(op.key)
         if earlier is not None:
-            self._fail(op, _same_error(earlier, f"{op.label}: {earlier}"))
+            self._fail(op, _same_error(earlier, str(earlier)))
             return
         self._ops[op.key] = op
         if op.timeout is not None:
@@ -284,6 +284,7 @@ class Engine(FrameSink):
         if op.unsent or not op.algo.done or self._ops.get(op.key) is not op:
             return
         del self._ops[op.key]
+        self._remember_done(op)
         try:
             value = op.result()
         except Exception as exc:
@@ -292,12 +293,38 @@ class Engine(FrameSink):
         op.request.set_result(value)
 
     def _fail(self, op: Operation, error: BaseException) -> None:
+        """Fail ``op`` at once; from here on nothing reads or writes the caller's buffer."""
         if self._ops.get(op.key) is op:
             del self._ops[op.key]
             self._remember_failed(op.key, error)
             self.transport.drop(op)
+            for peer, (landing, _) in list(self._landing.items()):
+                if landing is op:
+                    self.transport.divert(peer)
+                    del self._landing[peer]
         if not op.request.done():
             op.request.set_exception(error)
+
+    def _remember_done(self, op: Operation) -> None:
+        """Keep the descriptor of a completed operation (bounded), to judge late frames for it."""
+        self._done[op.key] = op.desc
+        while len(self._done) > _FORGET_AFTER:
+            self._done.popitem(last=False)
+        if len(self._deadlines) > 64 and len(self._deadlines) > 2 * len(self._ops):
+            live = [e for e in self._deadlines if self._ops.get(e[2].key) is e[2]]
+            heapq.heapify(live)
+            self._deadlines = live  # completed operations are not kept alive until their deadline
+
+    def _late_frame(self, peer: int, header: Header) -> None:
+        """A frame for an operation completed here: ranks disagreed in a way the operation could
+        not see (a broadcast's root). Drop it and say so; nothing can fail retroactively."""
+        desc = self._done[header.key]
+        if header.desc != desc:
+            log.error(
+                "rank %d completed %r#%d as %s but rank %d posted %s; its data was ignored",
+                self.rank, header.name.decode(errors="replace"), header.key[1],
+                describe(desc), peer, describe(header.desc),
+            )  # fmt: skip
 
     def _remember_failed(self, key: Key, error: BaseException) -> None:
         self._failed[key] = error
@@ -358,6 +385,18 @@ class Engine(FrameSink):
         self._landing[peer] = (op, target)
         return _bytes_of(target)
 
+    def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
+        op = self._ops.get(header.key)
+        if header.type != DATA or op is None:
+            return False
+        if not op.algo.takes_view(peer, header.step, header.seg):
+            return False
+        if self._matches(op, peer, header) and self._guarded(
+            op, lambda: op.algo.on_view(peer, header.step, header.seg, view)
+        ):
+            self._maybe_complete(op)
+        return True
+
     def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
         landed = self._landing.pop(peer, None)
         if header.type == GOODBYE:
@@ -370,7 +409,9 @@ class Engine(FrameSink):
             return
         op = self._ops.get(header.key)
         if op is None:
-            if header.key not in self._failed:
+            if header.key in self._done:
+                self._late_frame(peer, header)
+            elif header.key not in self._failed:
                 self._unexpected.setdefault(header.key, []).append((peer, header, payload))
             return
         if landed is not None and landed[0] is op:
@@ -414,12 +455,17 @@ class Engine(FrameSink):
             self._remember_failed(header.key, error)
 
     def _on_goodbye(self, peer: int, reason: str) -> None:
-        """``peer`` closed in good order: fail only what still needs it; refuse new posts."""
+        """``peer`` closed in good order: fail what still needs it, on every rank (the others may
+        need it through us); refuse new posts. Its frames came before its goodbye, so an
+        operation that no longer waits on it can still complete."""
+        gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
         with self._lock:
-            self._departed[peer] = reason
+            self._departed[peer] = gone
         for op in list(self._ops.values()):
             if peer in op.algo.pending_sources:
-                self._fail(op, BrokenError(f"{op.label} still needed rank {peer}, but {reason}"))
+                self._fail_everywhere(
+                    op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
+                )
         self.transport.release(peer)
 
     def on_sent(self, token: object) -> None:

@@ -82,6 +82,17 @@ class Collective(ABC):
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         """Consume one message whose payload now lies in ``payload``; return what to send next."""
 
+    def takes_view(self, src: int, step: int, seg: int) -> bool:
+        """Whether message (src, step, seg) is better consumed straight from a read-only view
+        (shared memory) with ``on_view`` than copied into ``recv_buffer`` first."""
+        return False
+
+    def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
+        """Consume a message whose payload is readable in ``view`` only during this call."""
+        target = self.recv_buffer(src, step, seg, view.nbytes)
+        np.frombuffer(memoryview(target).cast("B"), np.uint8)[:] = np.frombuffer(view, np.uint8)  # type: ignore[arg-type]
+        return self.on_message(src, step, seg, target)
+
     def _check_size(self, what: str, buffer: Array, nbytes: int) -> Array:
         if buffer.nbytes != nbytes:
             raise ProtocolError(f"{what}: expected {buffer.nbytes} bytes, got {nbytes}")

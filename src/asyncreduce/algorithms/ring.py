@@ -17,6 +17,8 @@ chunk is computed on one rank and copied to the others, so every rank ends bitwi
 
 from __future__ import annotations
 
+import numpy as np
+
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .reduction import DType, combine, finalize
 
@@ -84,18 +86,31 @@ class Ring(Collective):
     def start(self) -> list[Send]:
         return [] if self.world_size == 1 else self._sends(0)
 
-    def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
+    def _target(self, src: int, step: int, seg: int, nbytes: int) -> Array:
+        """The part of the buffer message (src, step, seg) is for; ProtocolError if unexpected."""
         if src != self.left or not 0 <= step < self._steps:
             raise ProtocolError(f"ring: unexpected message step {step} from rank {src}")
         pieces = self._segs[self._recv_chunk(step)]
         if not 0 <= seg < len(pieces) or (step, seg) in self._seen:
             raise ProtocolError(f"ring: unexpected segment {seg} of step {step} from rank {src}")
-        target = self.buffer[slice(*pieces[seg])]
+        return self._check_size("ring", self.buffer[slice(*pieces[seg])], nbytes)
+
+    def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
+        target = self._target(src, step, seg, nbytes)
         if step >= self._rs_steps:
-            return self._check_size("ring allgather", target, nbytes)
+            return target  # allgather: straight into place
         if self._scratch is None or self._scratch.size < target.size:
-            self._scratch = target.copy()
-        return self._check_size("ring reduce-scatter", self._scratch[: target.size], nbytes)
+            self._scratch = np.empty_like(target)
+        return self._scratch[: target.size]
+
+    def takes_view(self, src: int, step: int, seg: int) -> bool:
+        return step < self._rs_steps  # reduce straight from shared memory: no scratch copy
+
+    def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
+        if not self.takes_view(src, step, seg):
+            return super().on_view(src, step, seg, view)
+        target = self._target(src, step, seg, view.nbytes)
+        return self.on_message(src, step, seg, np.frombuffer(view, self.buffer.dtype, target.size))
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._seen.add((step, seg))

@@ -24,6 +24,10 @@ class FrameSink(Protocol):
     def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
         """A writable byte buffer of exactly ``header.payload_len`` bytes, or None for a new one."""
 
+    def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
+        """Consume a payload straight from shared memory (valid only during the call); False
+        asks for the usual path (``frame_buffer``, a copy, ``on_frame``)."""
+
     def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
         """A complete frame from ``peer``; ``payload`` is the buffer given by frame_buffer."""
 
@@ -53,7 +57,12 @@ class Transport(ABC):
 
     @abstractmethod
     def drop(self, token: object) -> None:
-        """Forget the frames with ``token`` that have not started to leave."""
+        """Stop using the buffers of the frames sent with ``token``: forget those not yet
+        leaving, copy what remains of those half sent (the stream must stay whole)."""
+
+    @abstractmethod
+    def divert(self, peer: int) -> None:
+        """Receive the rest of the payload arriving from ``peer`` into a private buffer."""
 
     @abstractmethod
     def send_goodbye(self, reason: bytes) -> None:

@@ -3,13 +3,15 @@
 Layout (little-endian), then ``name_len`` bytes of operation name, then ``payload_len`` bytes:
 
     magic "ARDC" | version u8 | type u8 | name_len u16 | step u32 | seg u32 | instance u64 |
-    payload_len u64 | kind u8 | dtype u8 | reduce u8 | reserved u8 | root u32 | count u64
+    payload_len u64 | kind u8 | dtype u8 | reduce u8 | flags u8 | root u32 | count u64
 
 ``(name, instance)`` is the operation key; ``(step, seg)`` names the message inside the
 operation; ``(kind, dtype, reduce, root, count)`` describes the operation so a receiver can
 tell at once whether both sides posted the same thing. A DATA frame carries a piece of the
 operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
-receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why.
+receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why;
+a CREDIT frame (no key; ``instance`` is a byte position) returns shared-memory arena space. A
+DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
 
@@ -23,6 +25,9 @@ __all__ = [
     "DATA",
     "ERROR",
     "GOODBYE",
+    "CREDIT",
+    "FLAG_SHM",
+    "with_flags",
     "Descriptor",
     "FrameError",
     "Header",
@@ -39,6 +44,9 @@ VERSION: Final = 1
 DATA: Final = 1
 ERROR: Final = 2
 GOODBYE: Final = 3
+CREDIT: Final = 4
+FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
+_FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
 MAX_NAME_BYTES: Final = 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 30
@@ -73,6 +81,7 @@ class Header:
     seg: int
     payload_len: int
     desc: Descriptor
+    flags: int = 0
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -93,25 +102,32 @@ def pack_header(
 def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
     """Check the fixed part of a header; return (name_len, header with the name still empty)."""
     (magic, version, ftype, name_len, step, seg, instance, payload_len,
-     kind, dtype, reduce, _reserved, root, count) = HEADER.unpack(fixed)  # fmt: skip
+     kind, dtype, reduce, flags, root, count) = HEADER.unpack(fixed)  # fmt: skip
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR, GOODBYE):
+    if ftype not in (DATA, ERROR, GOODBYE, CREDIT):
         raise FrameError(f"unknown frame type {ftype}")
+    if flags & ~FLAG_SHM or (flags and ftype != DATA):
+        raise FrameError(f"unknown flags {flags:#x} on a frame of type {ftype}")
     if name_len > MAX_NAME_BYTES:
         raise FrameError(f"operation name of {name_len} bytes (at most {MAX_NAME_BYTES})")
     limit = MAX_PAYLOAD_BYTES if ftype == DATA else MAX_ERROR_BYTES
     if payload_len > limit:
         raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
-    if ftype == GOODBYE:
-        if name_len:
-            raise FrameError("a GOODBYE frame names no operation")
-        return 0, Header(ftype, b"", 0, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
+    if ftype in (GOODBYE, CREDIT):
+        if name_len or (ftype == CREDIT and payload_len):
+            raise FrameError("a GOODBYE or CREDIT frame names no operation (and CREDIT is empty)")
+        return 0, Header(ftype, b"", instance, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
     if step >= MAX_STEP or seg >= MAX_STEP:
         raise FrameError(f"step {step} / segment {seg} out of range")
     if kind not in _KIND_CODES or dtype not in _DTYPE_CODES or reduce not in _REDUCE_CODES:
         raise FrameError(f"unknown operation codes kind={kind} dtype={dtype} reduce={reduce}")
     desc = Descriptor(kind, dtype, reduce, root, count)
-    return name_len, Header(ftype, b"", instance, step, seg, payload_len, desc)
+    return name_len, Header(ftype, b"", instance, step, seg, payload_len, desc, flags)
+
+
+def with_flags(head: bytes, flags: int) -> bytes:
+    """A packed header (and name) with its flags byte replaced."""
+    return head[:_FLAGS_AT] + bytes((flags,)) + head[_FLAGS_AT + 1 :]

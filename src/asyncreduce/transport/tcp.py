@@ -28,7 +28,20 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .base import FrameSink, Transport
-from .frame import GOODBYE, HEADER, Descriptor, FrameError, Header, pack_header, parse_header
+from .frame import (
+    CREDIT,
+    DATA,
+    FLAG_SHM,
+    GOODBYE,
+    HEADER,
+    Descriptor,
+    FrameError,
+    Header,
+    pack_header,
+    parse_header,
+    with_flags,
+)
+from .shm import SHM_MIN_BYTES, Arena
 
 __all__ = ["TcpTransport", "connect_mesh", "HELLO"]
 
@@ -67,9 +80,11 @@ class _Out:
 class _Peer:
     """One connection: its send queue and where its receive state machine stands."""
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, rank: int, sock: socket.socket, arenas: tuple[Arena, Arena] | None) -> None:
         self.rank = rank
         self.sock = sock
+        self.arena_out: Arena | None = arenas[0] if arenas else None  # we write, it reads
+        self.arena_in: Arena | None = arenas[1] if arenas else None  # it writes, we read
         self.queue: list[_Out] = []  # a heap: most urgent first
         self.inflight: deque[_Out] = deque()  # taken from the queue, being written in order
         self.writing = False
@@ -88,7 +103,14 @@ class _Peer:
 class TcpTransport(Transport):
     """Frames over one TCP connection per peer (see the module docstring)."""
 
-    def __init__(self, rank: int, sockets: dict[int, socket.socket], sink: FrameSink) -> None:
+    def __init__(
+        self,
+        rank: int,
+        sockets: dict[int, socket.socket],
+        sink: FrameSink,
+        arenas: dict[int, tuple[Arena, Arena]] | None = None,
+    ) -> None:
+        """``arenas`` maps a same-host peer to (the arena this rank writes, the one it reads)."""
         self.rank = rank
         self.sink = sink
         self._selector = selectors.DefaultSelector()
@@ -99,9 +121,10 @@ class TcpTransport(Transport):
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
         self._leaving = False  # we said goodbye: peers' EOFs are expected
+        self._gone: list[_Peer] = []
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
-            peer = _Peer(peer_rank, sock)
+            peer = _Peer(peer_rank, sock, (arenas or {}).get(peer_rank))
             self._peers[peer_rank] = peer
             self._selector.register(sock, selectors.EVENT_READ, peer)
 
@@ -127,6 +150,9 @@ class TcpTransport(Transport):
                         self._shut_write(peer)
                     return
                 self._take_batch(peer)
+                if not peer.inflight:  # waiting for arena space: the CREDIT frame resumes us
+                    self._want_write(peer, False)
+                    return
             buffers = [piece for out in peer.inflight for piece in out.remaining()]
             try:
                 n = peer.sock.sendmsg(buffers)
@@ -142,11 +168,25 @@ class TcpTransport(Transport):
         """Move the most urgent frames into flight: one large frame, or many small ones."""
         total = 0
         while peer.queue and len(peer.inflight) < _BATCH_FRAMES:
+            if not self._to_arena(peer, peer.queue[0]):
+                return  # the arena is full: wait for the reader's CREDIT
             if peer.inflight and total + peer.queue[0].size > _BATCH_BYTES:
                 return
             out = heapq.heappop(peer.queue)
             peer.inflight.append(out)
             total += out.size
+
+    def _to_arena(self, peer: _Peer, out: _Out) -> bool:
+        """Move a large payload for a same-host peer into its arena; False if no room yet."""
+        arena = peer.arena_out
+        size = out.payload.nbytes
+        if arena is None or size < SHM_MIN_BYTES or not arena.fits(size) or out.sent:
+            return True
+        if not arena.write(out.payload):
+            return False
+        out.head = with_flags(out.head, FLAG_SHM)
+        out.payload = memoryview(b"")
+        return True
 
     def _advance(self, peer: _Peer, n: int) -> None:
         while n:
@@ -203,6 +243,14 @@ class TcpTransport(Transport):
             if len(kept) != len(peer.queue):
                 heapq.heapify(kept)
                 peer.queue = kept
+            for out in peer.inflight:
+                if out.token is token:
+                    out.payload = memoryview(bytes(out.payload))
+
+    def divert(self, peer_rank: int) -> None:
+        peer = self._peers.get(peer_rank)
+        if peer is not None and peer.payload is not None:
+            peer.payload = memoryview(bytearray(len(peer.payload)))
 
     # ---- receiving -----------------------------------------------------------------------
 
@@ -260,7 +308,47 @@ class TcpTransport(Transport):
                 peer.lo += peer.name_len
                 peer.name_len = 0
                 continue
-            self._start_payload(peer)
+            if peer.header.type == CREDIT:
+                self._on_credit(peer, peer.header.instance)
+            elif peer.header.flags & FLAG_SHM:
+                self._from_arena(peer)
+            else:
+                self._start_payload(peer)
+
+    def _on_credit(self, peer: _Peer, position: int) -> None:
+        peer.header = None
+        if peer.arena_out is None:
+            raise FrameError(f"rank {peer.rank} returned arena space it was never given")
+        try:
+            peer.arena_out.credit(position)
+        except ValueError as exc:
+            raise FrameError(f"rank {peer.rank}: {exc}") from None
+        if not peer.inflight:
+            self._flush(peer)
+
+    def _from_arena(self, peer: _Peer) -> None:
+        """A payload in the peer's arena: reduce straight from it, or copy it out; then credit."""
+        header, arena = peer.header, peer.arena_in
+        assert header is not None
+        if arena is None or header.type != DATA or not arena.fits(header.payload_len):
+            raise FrameError(f"rank {peer.rank} sent a shared-memory frame this rank cannot read")
+        view = arena.read(header.payload_len)
+        if self.sink.frame_view(peer.rank, header, view):
+            peer.header = None
+        else:
+            dest = self.sink.frame_buffer(peer.rank, header) or memoryview(bytearray(len(view)))
+            if len(dest) != len(view):
+                raise FrameError(
+                    f"rank {peer.rank} sent {len(view)} bytes where {len(dest)} were expected"
+                )
+            dest[:] = view
+            peer.payload = dest
+            self._deliver(peer)
+        view.release()
+        if arena.position - arena.credited >= arena.size // 4:  # credit in batches
+            arena.credited = arena.position
+            credit = pack_header(CREDIT, b"", arena.position, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
+            self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)
 
     def _start_payload(self, peer: _Peer) -> None:
         assert peer.header is not None
@@ -289,7 +377,8 @@ class TcpTransport(Transport):
         """EOF is the end of a closing handshake (either side said goodbye), else a failure."""
         orderly = peer.said_goodbye or self._leaving
         if orderly and peer.header is None and peer.lo == peer.hi:
-            self._remove(peer)
+            for out in self._remove(peer):
+                self.sink.on_sent(out.token)  # never leaving now: nobody waits for them
             return False
         raise ConnectionResetError(errno.ECONNRESET, "connection closed by peer")
 
@@ -325,6 +414,7 @@ class TcpTransport(Transport):
             return []
         self._selector.unregister(peer.sock)
         peer.sock.close()
+        self._gone.append(peer)  # its arenas are unmapped at close(), never mid-frame
         unsent = list(peer.inflight) + peer.queue
         peer.queue, peer.inflight = [], deque()
         return unsent
@@ -345,6 +435,10 @@ class TcpTransport(Transport):
         for peer in list(self._peers.values()):
             self._selector.unregister(peer.sock)
             peer.sock.close()
+        for peer in [*self._peers.values(), *self._gone]:
+            for arena in (peer.arena_in, peer.arena_out):
+                if arena is not None:
+                    arena.close()
         self._peers.clear()
         self._selector.close()
         self._wake_r.close()

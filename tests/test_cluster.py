@@ -1,0 +1,161 @@
+"""``scripts/cluster.py``: emulated hosts (network namespaces) behind rate-limited links.
+
+Each test builds a real cluster (root, ``ip`` and ``tc`` needed; skipped otherwise): two
+namespaces on a switch at 1 Gbit/s. They check that an asyncreduce allreduce across the two
+hosts is right and that each rank really ran in its own network namespace, that a TCP stream
+between the hosts is shaped (well below unshaped veth speed, which is tens of Gbit/s), and
+that nothing with the run's prefix is left afterwards: not after ``with``, not after SIGTERM
+of the owner, and not after SIGKILL once ``cleanup`` has run. Open MPI across the namespaces
+runs when mpirun and mpi4py are installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "cluster.py"
+
+
+def _load() -> ModuleType:
+    name = "asyncreduce_scripts.cluster"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster = _load()
+pytestmark = pytest.mark.skipif(
+    cluster.available() is not None, reason=f"no emulated cluster here: {cluster.available()}"
+)
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    import numpy as np
+    import asyncreduce as ar
+
+    with ar.init(timeout=30) as comm:
+        x = np.arange(1000, dtype=np.float32) * (comm.rank + 1)
+        comm.allreduce(x)
+        print(json.dumps({"rank": comm.rank, "sum": float(x.sum()), "first": float(x[1]),
+                          "netns": os.readlink("/proc/self/ns/net")}), flush=True)
+    """
+)
+
+
+def _ours(prefix: str) -> list[str]:
+    """Namespaces and root-namespace links whose name contains ``prefix``."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [line for line in (netns + links).splitlines() if prefix in line]
+
+
+def _rank_env(c: Any, host: int) -> dict[str, str]:
+    return {
+        "RANK": str(host),
+        "WORLD_SIZE": str(c.hosts),
+        "MASTER_ADDR": c.addrs[0],
+        "MASTER_PORT": "29500",
+        "ASYNCREDUCE_ADDR": c.addrs[host],
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+
+
+def test_allreduce_across_two_shaped_hosts_then_nothing_is_left(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    lines: list[tuple[int, str]] = []
+    with cluster.Cluster(hosts=2, rate="1gbit") as c:
+        prefix = c.prefix
+        assert len(_ours(prefix)) == 3  # h0, h1, the switch; no link in the root namespace
+        codes = c.run(
+            [sys.executable, str(script)],
+            lambda i: _rank_env(c, i),
+            timeout=60,
+            on_line=lambda host, line: lines.append((host, line)),
+        )
+        assert codes == [0, 0], lines
+        tcp = c.measure_tcp(0, 1, seconds=0.5)
+
+    reports = [json.loads(line) for _, line in lines if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1], lines
+    expected = float(sum(range(1000))) * 3  # ranks add x*1 and x*2
+    assert all(r["sum"] == expected and r["first"] == 3.0 for r in reports)
+    own_netns = Path("/proc/self/ns/net").readlink().as_posix()
+    assert len({r["netns"] for r in reports} | {own_netns}) == 3  # each rank in its own host
+
+    assert 0.2e9 < tcp["bits_per_s"] < 2e9, tcp  # shaped to 1 Gbit/s (unshaped: >10 Gbit/s)
+    assert _ours(prefix) == []
+
+
+def _start_owner() -> tuple[subprocess.Popen[bytes], str]:
+    """``cluster.py run -- sleep 60`` in a child; returns it and its prefix once it is up."""
+    owner = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "run", "--hosts", "2", "--", "sleep", "60"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    prefix = f"{cluster.PREFIX}{owner.pid}-"
+    deadline = time.monotonic() + 15
+    while len(_ours(prefix)) < 3:
+        assert time.monotonic() < deadline and owner.poll() is None, "the cluster never came up"
+        time.sleep(0.1)
+    time.sleep(0.3)  # let the sleeps start inside the hosts
+    return owner, prefix
+
+
+def test_sigterm_tears_down_and_cleanup_sweeps_after_sigkill() -> None:
+    owner, prefix = _start_owner()
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(timeout=15) == -signal.SIGTERM
+    assert _ours(prefix) == []
+
+    owner, prefix = _start_owner()
+    owner.kill()  # no chance to clean up: the namespaces and the sleeps stay
+    owner.wait(timeout=15)
+    assert len(_ours(prefix)) == 3
+    assert any(name.startswith(prefix) for name in cluster.cleanup(dry_run=True))
+    cluster.cleanup()  # owner dead: its namespaces go, and the processes inside them
+    assert _ours(prefix) == []
+
+
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs Open MPI and mpi4py",
+)
+def test_open_mpi_across_hosts(tmp_path: Path) -> None:
+    script = tmp_path / "mpi_rank.py"
+    script.write_text(
+        "import os\nfrom mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD\n"
+        "total = c.allreduce(c.rank + 1)\n"
+        "print(c.rank, os.environ['HOST_INDEX'], total, flush=True)\n"
+    )
+    lines: list[str] = []
+    with cluster.Cluster(hosts=2, rate="1gbit") as c:
+        codes = c.run(
+            c.mpirun_argv([sys.executable, str(script)]),
+            timeout=60,
+            on_line=lambda _, line: lines.append(line),
+            on=[0],
+        )
+    assert codes == [0], lines
+    assert sorted(line for line in lines if line[:1].isdigit()) == ["0 0 3", "1 1 3"], lines

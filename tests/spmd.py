@@ -30,9 +30,16 @@ def free_port() -> int:
 
 
 def _rank_main(
-    rank: int, n: int, port: int, body: Callable[..., Any], args: tuple[Any, ...], out: Any
+    rank: int,
+    n: int,
+    port: int,
+    body: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+    env: dict[str, str],
 ) -> None:
     os.environ["ASYNCREDUCE_TEST_RANK"] = str(rank)
+    os.environ.update(env)
     try:
         with ar.init(rank, n, "127.0.0.1", port, timeout=30) as comm:
             result = body(comm, *args)
@@ -48,13 +55,18 @@ def run_ranks(
     timeout: float = 60.0,
     expect_dead: frozenset[int] = frozenset(),
     ranks: range | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
-    """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}."""
+    """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}.
+
+    ``env`` is set in every rank before it joins (e.g. ASYNCREDUCE_SHM=0 for TCP only)."""
     port = free_port()
     out = _CTX.Queue()
     started = ranks if ranks is not None else range(n)
     procs = {
-        r: _CTX.Process(target=_rank_main, args=(r, n, port, body, args, out), daemon=True)
+        r: _CTX.Process(
+            target=_rank_main, args=(r, n, port, body, args, out, env or {}), daemon=True
+        )
         for r in started
     }
     for p in procs.values():

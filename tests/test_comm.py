@@ -63,9 +63,24 @@ def body_collectives(comm: ar.Communicator) -> dict[str, bytes]:
     return digests
 
 
+TRANSPORTS = {"shm": {"ASYNCREDUCE_SHM": "1"}, "tcp": {"ASYNCREDUCE_SHM": "0"}}
+
+
+def body_transport_in_use(comm: ar.Communicator) -> list[bool]:
+    peers = comm._engine.transport._peers  # type: ignore[union-attr]
+    return [peers[p].arena_out is not None for p in sorted(peers)]
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_ranks_on_one_host_share_memory_unless_told_not_to(transport: str) -> None:
+    results = run_ranks(3, body_transport_in_use, env=TRANSPORTS[transport])
+    assert all(all(r) == (transport == "shm") for r in results.values()), results
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("n", WORLDS)
-def test_collectives_are_exact_and_identical_on_every_rank(n: int) -> None:
-    results = run_ranks(n, body_collectives)
+def test_collectives_are_exact_and_identical_on_every_rank(n: int, transport: str) -> None:
+    results = run_ranks(n, body_collectives, env=TRANSPORTS[transport])
     assert all(results[r] == results[0] for r in range(n))
 
 
@@ -105,9 +120,10 @@ def body_threads(comm: ar.Communicator, ops: int, threads: int) -> dict[int, str
     return results
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("n", WORLDS)
-def test_eight_threads_post_100_named_operations_in_shuffled_orders(n: int) -> None:
-    results = run_ranks(n, body_threads, 100, 8, timeout=120)
+def test_eight_threads_post_100_named_operations_in_shuffled_orders(n: int, transport: str) -> None:
+    results = run_ranks(n, body_threads, 100, 8, timeout=120, env=TRANSPORTS[transport])
     for r in range(1, n):
         assert results[r] == results[0], "results differ between ranks"
 
@@ -195,11 +211,13 @@ def body_victim(comm: ar.Communicator) -> str:
     return str(info.value)
 
 
-def test_killed_rank_is_named_by_both_survivors() -> None:
-    messages = run_ranks(3, body_victim, expect_dead=frozenset({2}))
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_killed_rank_is_named_by_both_survivors(transport: str) -> None:
+    messages = run_ranks(3, body_victim, expect_dead=frozenset({2}), env=TRANSPORTS[transport])
     assert set(messages) == {0, 1}
     for message in messages.values():
         assert "rank 2" in message
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncreduce-")]
 
 
 # ---- a rank never joins -------------------------------------------------------------------------

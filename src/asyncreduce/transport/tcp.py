@@ -41,7 +41,7 @@ from .frame import (
     parse_header,
     with_flags,
 )
-from .shm import SHM_MIN_BYTES, Arena
+from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 __all__ = ["TcpTransport", "connect_mesh", "HELLO"]
 
@@ -341,7 +341,7 @@ class TcpTransport(Transport):
                 raise FrameError(
                     f"rank {peer.rank} sent {len(view)} bytes where {len(dest)} were expected"
                 )
-            dest[:] = view
+            copy_bytes(dest, view)
             peer.payload = dest
             self._deliver(peer)
         view.release()

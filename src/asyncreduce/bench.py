@@ -40,9 +40,12 @@ def available(directory: Path | None = None) -> dict[str, str]:
         if path.name.startswith("_"):
             continue
         try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+            tree = ast.parse(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, UnicodeDecodeError):
-            doc = ""
+            continue
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            continue  # a helper module (common.py), not a benchmark
+        doc = ast.get_docstring(tree) or ""
         found[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
     return found
 

@@ -1,0 +1,851 @@
+"""Shared machinery of the concurrency, overlap and priority benchmarks (not a benchmark itself).
+
+Theory of operation
+-------------------
+Each benchmark script is both the parent and its own worker, as ``allreduce.py`` is. The parent
+never communicates: for every (library, N) it starts one fresh set of N ranks that runs every
+variant of that benchmark, then reads what rank 0 reports.
+
+* ``asyncreduce`` and ``gloo``: N copies of ``python SCRIPT --worker LIB ...``, each told RANK,
+  WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port) in its environment;
+* ``mpi``: ``mpirun -n N --bind-to none ... python SCRIPT --worker mpi ...``, Open MPI's default
+  transports (shared memory on one host), ``MPI_THREAD_MULTIPLE`` requested.
+
+The parent passes its resolved settings to the workers as one JSON argument, so both sides read
+the same numbers. Rank 0 writes JSON lines to stdout, each prefixed with ``MARK`` (anything else
+is ignored): ``ready``, then any number of ``start`` (a step begins: shown on the progress line),
+``result`` (one row of the benchmark's results) and ``note`` (a sentence for the report), then
+``done``. The parent waits for each line at most ``step_s`` seconds and for the whole set at
+most ``limit_s``; on a timeout, a failed rank, an exception or Ctrl-C it kills every worker's
+process group (SIGTERM, then SIGKILL) and records the failure. Workers exit by themselves when
+the parent disappears or their own deadline passes.
+
+On the worker side ``connect`` gives a ``Rank``: the library's handle plus the three things
+every measurement needs (``barrier``, ``max`` over ranks, ``close``). ``timed`` runs a step
+after a barrier and returns each repeat's wall time, the maximum over ranks, so every rank runs
+the same number of collectives. Helpers for the report (tables, JSON, machine line) follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # allreduce.py, next to this file
+from allreduce import format_size, machine_info, parse_size  # noqa: E402
+
+__all__ = [
+    "LIBS",
+    "MARK",
+    "Progress",
+    "Rank",
+    "Run",
+    "SetSpec",
+    "WorkerSetError",
+    "base_parser",
+    "connect",
+    "format_size",
+    "fmt_ms",
+    "machine_line",
+    "median",
+    "parent_main",
+    "parse_size",
+    "render_table",
+    "timed",
+    "worker_main",
+]
+
+LIBS = ("asyncreduce", "gloo", "mpi")
+MARK = "@asyncreduce-bench "
+STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
+_GRACE_S = 2.0
+_MPIRUN = ("--allow-run-as-root", "--oversubscribe", "--bind-to", "none")
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def nprocs_list(text: str) -> list[int]:
+    """``"2,4"`` -> ``[2, 4]``; every count at least 2."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or values[0] < 2:
+        raise argparse.ArgumentTypeError(f"process counts must be at least 2, got {text!r}")
+    return values
+
+
+def lib_list(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """A parser of ``"asyncreduce,gloo"``: the libraries, each one of ``known``, in order."""
+
+    def parse_libs(text: str) -> list[str]:
+        libs = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [lib for lib in libs if lib not in known]
+        if unknown or not libs:
+            raise argparse.ArgumentTypeError(
+                f"unknown libraries {', '.join(unknown) or '(none)'}; choose from {','.join(known)}"
+            )
+        return list(dict.fromkeys(libs))
+
+    return parse_libs
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def base_parser(
+    name: str, description: str, libs: Sequence[str], repeats: int, quick: str,
+    known: Sequence[str] = LIBS,
+) -> argparse.ArgumentParser:  # fmt: skip
+    """The options every one of these benchmarks has; each adds its own.
+
+    ``libs`` is the default selection, ``known`` what ``--libs`` accepts.
+    """
+    parser = argparse.ArgumentParser(
+        prog=f"asyncreduce bench {name}",
+        description=description,
+        epilog=f"example: asyncreduce bench {name} --quick --json results/{name}.json",
+    )
+    parser.add_argument(
+        "--nprocs", type=nprocs_list, default=[2, 4], help="process counts (default 2,4)"
+    )
+    parser.add_argument(
+        "--libs",
+        type=lib_list(known),
+        default=list(libs),
+        help=f"libraries, of {','.join(known)} (default {','.join(libs)}); missing ones are "
+        "skipped",
+    )
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write every result here")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="PNG (needs matplotlib)")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="PATH",
+        help="run nothing: print the report of a saved --json run (and --plot it)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help=f"timed repeats after a warm-up, the median is reported (default {repeats})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="hard limit per (library, N) worker set (default: scaled to the work)",
+    )
+    # the worker side: how the parent starts the ranks; not for people
+    parser.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace | int:
+    """The parsed arguments, or argparse's exit code (0 for --help, 2 for bad arguments)."""
+    try:
+        return parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+# ---- the worker side: one rank ------------------------------------------------------------
+
+
+class Rank:
+    """One rank of one library: its handle plus barrier, max over ranks and close."""
+
+    lib = ""
+    rank = 0
+    size = 1
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def max(self, value: float) -> float:
+        """The maximum of ``value`` over all ranks (every rank must call it)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncReduceRank(Rank):
+    def __init__(self) -> None:
+        import numpy as np
+
+        import asyncreduce as ar
+
+        self.lib = "asyncreduce"
+        self.ar: Any = ar
+        self.np: Any = np
+        self.comm: Any = ar.init(timeout=60.0)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        self.rank, self.size = self.comm.rank, self.comm.world_size
+
+    def barrier(self) -> None:
+        self.comm.barrier(name="bench.barrier")
+
+    def max(self, value: float) -> float:
+        box = self.np.array([value], dtype=self.np.float64)
+        self.comm.allreduce(box, op="max", name="bench.max")
+        return float(box[0])
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class GlooRank(Rank):
+    def __init__(self) -> None:
+        self.lib = "gloo"
+        self.torch: Any = importlib.import_module("torch")
+        self.dist: Any = importlib.import_module("torch.distributed")
+        if not self.dist.is_available() or not self.dist.is_gloo_available():
+            raise RuntimeError("this PyTorch build has no Gloo backend")
+        self.torch.set_num_threads(1)  # N ranks share the cores; Gloo has its own threads
+        self.dist.init_process_group(
+            "gloo", init_method="env://", timeout=datetime.timedelta(seconds=120)
+        )
+        self.rank, self.size = int(self.dist.get_rank()), int(self.dist.get_world_size())
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max(self, value: float) -> float:
+        box = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX)
+        return float(box.item())
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+class MpiRank(Rank):
+    def __init__(self) -> None:
+        rc: Any = importlib.import_module("mpi4py").rc
+        rc.thread_level = "multiple"  # before MPI_Init: the threaded variants need it
+        self.lib = "mpi"
+        self.MPI: Any = importlib.import_module("mpi4py.MPI")
+        self.comm: Any = self.MPI.COMM_WORLD
+        self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
+        self.thread_multiple = self.MPI.Query_thread() == self.MPI.THREAD_MULTIPLE
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def max(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=self.MPI.MAX))
+
+
+def connect(lib: str) -> Rank:
+    """Join the job as one rank of ``lib`` (from the environment the parent set)."""
+    kinds: dict[str, Callable[[], Rank]] = {
+        "asyncreduce": AsyncReduceRank,
+        "gloo": GlooRank,
+        "mpi": MpiRank,
+    }
+    return kinds[lib]()
+
+
+def timed(
+    rank: Rank,
+    step: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    prepare: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
+) -> list[float]:
+    """Wall seconds of ``step`` per repeat (after ``warmup`` untimed ones), max over ranks.
+
+    Each run: ``prepare()`` (untimed), barrier, ``step()``; the clock stops when ``step``
+    returns on this rank, then ``after()`` (untimed); the slowest rank's time counts.
+    """
+    times = []
+    for index in range(warmup + repeats):
+        if prepare is not None:
+            prepare()
+        rank.barrier()
+        start = time.perf_counter()
+        step()
+        mine = time.perf_counter() - start
+        if after is not None:
+            after()
+        elapsed = rank.max(mine)
+        if index >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+Tell = Callable[..., None]
+
+
+def _watchdog(parent_pid: int | None, deadline: float | None) -> None:
+    """Exit (code 3) once the parent (or our launcher, mpirun) is gone or the deadline passed."""
+    end = None if deadline is None else time.monotonic() + deadline
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if end is not None and time.monotonic() > end:
+                print(f"worker deadline of {deadline:.0f} s passed", file=sys.stderr)
+                os._exit(3)
+            if os.getppid() != launcher or (parent_pid is not None and not _alive(parent_pid)):
+                os._exit(3)
+
+    threading.Thread(target=watch, name="bench-watchdog", daemon=True).start()
+
+
+def worker_main(
+    args: argparse.Namespace, body: Callable[[Rank, dict[str, Any], Tell], None]
+) -> int:
+    """Run ``body(rank, settings, tell)`` as one rank; ``tell`` reports from rank 0 only."""
+    _watchdog(args.parent_pid, args.deadline)
+    settings: dict[str, Any] = json.loads(args.settings or "{}")
+    started = time.perf_counter()
+    rank = connect(args.worker)
+
+    def tell(event: str, **fields: Any) -> None:
+        if rank.rank == 0:
+            print(MARK + json.dumps({"event": event, **fields}), flush=True)
+
+    try:
+        tell("ready", init_s=round(time.perf_counter() - started, 3))
+        body(rank, settings, tell)
+        rank.barrier()
+        tell("done")
+    finally:
+        rank.close()
+    return 0
+
+
+# ---- the parent side: worker sets -----------------------------------------------------------
+
+
+class WorkerSetError(Exception):
+    """A worker set failed, timed out, or reported something unreadable."""
+
+
+class _NoReport(WorkerSetError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no report for {seconds:.1f} s (hung?)")
+
+
+@dataclass(frozen=True)
+class SetSpec:
+    """How to start one (library, N) set and how long to let it run."""
+
+    script: Path
+    lib: str
+    nprocs: int
+    settings: dict[str, Any]
+    limit_s: float  # the whole set, start-up included
+    step_s: float  # the longest wait for any one report after ``ready``
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """Everything one invocation measured and everything that went wrong."""
+
+    benchmark: str
+    settings: dict[str, Any]
+    results: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # lib -> why
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    set_seconds: dict[str, float] = field(default_factory=dict)  # "lib N=n" -> wall time
+
+    def rows(self, **match: Any) -> list[dict[str, Any]]:
+        return [r for r in self.results if all(r.get(k) == v for k, v in match.items())]
+
+    def failed(self, lib: str, nprocs: int) -> bool:
+        return any((f["lib"], f["nprocs"]) == (lib, nprocs) for f in self.failures)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def unavailable(lib: str) -> str | None:
+    """Why ``lib`` cannot run here, or None."""
+    if lib == "gloo" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'asyncreduce[torch]')"
+    if lib == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
+        if shutil.which("mpirun") is None:
+            return "mpirun is not on PATH (install Open MPI)"
+    return None
+
+
+def _package_root() -> Path | None:
+    spec = importlib.util.find_spec("asyncreduce")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parents[1]
+
+
+class WorkerSet:
+    """N ranks of one library, each the leader of its own process group."""
+
+    def __init__(self, spec: SetSpec) -> None:
+        self.spec = spec
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[bytes]] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        command = [
+            sys.executable, str(spec.script.resolve()), "--worker", spec.lib,
+            "--settings", json.dumps(spec.settings), "--parent-pid", str(os.getpid()),
+            "--deadline", f"{spec.limit_s + 30:.0f}",
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
+        src = _package_root()
+        if src is not None:  # the workers use the same asyncreduce as this process
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+        n = spec.nprocs
+        if spec.lib == "mpi":
+            self._start(["mpirun", "-n", str(n), *_MPIRUN, *command], env, reports=True)
+            return
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n))
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like the others
+        for rank in range(n):
+            self._start(command, dict(env, RANK=str(rank)), reports=rank == 0)
+
+    def _start(self, command: list[str], env: dict[str, str], reports: bool) -> None:
+        log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if reports else subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,  # its own process group: killpg reaches what it starts
+        )
+        self.procs.append(proc)
+        if reports:
+            assert proc.stdout is not None
+            threading.Thread(
+                target=self._read, args=(proc.stdout,), name="bench-reader", daemon=True
+            ).start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        try:
+            for raw in pipe:
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.startswith(MARK):
+                    self.lines.put(line[len(MARK) :])
+        finally:
+            self.lines.put(None)
+
+    def next_message(self, timeout: float) -> dict[str, Any]:
+        """The next report of rank 0; WorkerSetError on a timeout or a failed rank."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.failed_rank() is not None:
+                time.sleep(0.5)  # let the others exit and their errors reach their logs
+                raise WorkerSetError(self.failed_rank() or "a rank failed")
+            try:
+                line = self.lines.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    raise _NoReport(timeout) from None
+                continue
+            if line is None:
+                for proc in self.procs:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=2.0)
+                raise WorkerSetError(self.failed_rank() or "rank 0 closed its output early")
+            try:
+                message: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                raise WorkerSetError(f"unreadable report from rank 0: {line!r}") from None
+            return message
+
+    def failed_rank(self) -> str | None:
+        """Who exited with an error, or None."""
+        failed = []
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code not in (None, 0):
+                who = "mpirun" if self.spec.lib == "mpi" else f"rank {rank}"
+                how = f"killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
+                failed.append(f"{who} {how}")
+        return "; ".join(failed) or None
+
+    def finish(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.01, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise WorkerSetError("workers did not exit after finishing") from None
+        failed = self.failed_rank()
+        if failed:
+            raise WorkerSetError(failed)
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        tails = []
+        for index, log in enumerate(self.logs):
+            log.seek(0)
+            text = log.read().decode(errors="replace").strip()
+            if text:
+                who = "mpirun" if self.spec.lib == "mpi" else f"rank {index}"
+                tail = "\n".join("    " + ln for ln in text.splitlines()[-lines:])
+                tails.append(f"  stderr of {who}:\n{tail}")
+        return "\n".join(tails)
+
+    def kill(self) -> None:
+        """SIGTERM every process group, then SIGKILL whatever is left; reap all."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in self.procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)  # a group can outlive its leader: sweep it anyway
+            end = time.monotonic() + _GRACE_S
+            for proc in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.01, end - time.monotonic()))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for log in self.logs:
+            log.close()
+
+
+@contextlib.contextmanager
+def worker_set(spec: SetSpec) -> Iterator[WorkerSet]:
+    workers = WorkerSet(spec)
+    try:
+        yield workers
+    finally:
+        workers.kill()
+        workers.close()
+
+
+class Progress:
+    """One line on stderr, rewritten in place on a terminal, one line per step otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def end(self, text: str) -> None:
+        self.show(text)
+        if self.tty:
+            sys.stderr.write("\n")
+            self.width = 0
+
+
+def _take(message: dict[str, Any], spec: SetSpec, run: Run, progress: Progress, tag: str) -> bool:
+    """Record one report; True once the set said ``done``."""
+    event = message.get("event")
+    if event == "start":
+        progress.show(f"{tag} {message.get('step', '')} ...")
+    elif event == "result":
+        row = {k: v for k, v in message.items() if k != "event"}
+        run.results.append({"lib": spec.lib, "nprocs": spec.nprocs, **row})
+    elif event == "note":
+        run.notes.append(f"{spec.lib} N={spec.nprocs}: {message.get('text', '')}")
+    return event == "done"
+
+
+def run_set(spec: SetSpec, run: Run, progress: Progress) -> None:
+    """Start one set, collect its reports into ``run``; a failure is recorded, not raised."""
+    tag = f"[{spec.lib} N={spec.nprocs}]"
+    started = time.monotonic()
+    end = started + spec.limit_s
+    progress.show(f"{tag} starting {spec.nprocs} processes ...")
+    with worker_set(spec) as workers:
+        try:
+            allowance = STARTUP_S
+            over = f"hard timeout: the set ran over its limit of {spec.limit_s:.1f} s"
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise WorkerSetError(over)
+                try:
+                    message = workers.next_message(min(allowance, left))
+                except _NoReport:
+                    if allowance < left:
+                        raise
+                    raise WorkerSetError(over) from None
+                allowance = spec.step_s
+                if _take(message, spec, run, progress, tag):
+                    workers.finish(timeout=max(1.0, min(30.0, end - time.monotonic())))
+                    break
+        except WorkerSetError as exc:
+            workers.kill()
+            detail = workers.stderr_tail()
+            failure = {"lib": spec.lib, "nprocs": spec.nprocs, "error": str(exc)}
+            run.failures.append({**failure, "stderr": detail})
+            progress.end(f"{tag} FAILED: {exc}")
+            if detail:
+                print(detail, file=sys.stderr)
+            return
+    took = time.monotonic() - started
+    run.set_seconds[f"{spec.lib} N={spec.nprocs}"] = round(took, 2)
+    progress.end(f"{tag} done in {took:.1f} s")
+
+
+# ---- the parent side: report ----------------------------------------------------------------
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms < 10:
+        return f"{ms:.2f}"
+    if ms < 1000:
+        return f"{ms:.1f}"
+    return f"{ms:.0f}"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Columns padded to fit; the first ``left`` columns left-aligned, the rest right."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.ljust(widths[i]) if i < left else c.rjust(widths[i]) for i, c in enumerate(cells)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def library_state() -> dict[str, Any]:
+    """Which asyncreduce ran: the checkout's commit, whether src/ differs from it, and the
+    ASYNCREDUCE_* environment (e.g. ASYNCREDUCE_SHM=0 keeps ranks on TCP)."""
+    root = _package_root()
+    state: dict[str, Any] = {
+        "env": {k: v for k, v in os.environ.items() if k.startswith("ASYNCREDUCE_")}
+    }
+    if root is None or shutil.which("git") is None:
+        return state
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "-C", str(root.parent)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True,
+                                 text=True, timeout=10, check=True).stdout.splitlines()  # fmt: skip
+        state.update(commit=head, src_changes=[line[3:] for line in changed])
+    return state
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    parts = [
+        f"{machine['cores']} cores" + (f" ({machine['cpu']})" if machine["cpu"] else ""),
+        f"Python {machine['python']}",
+        f"numpy {machine['numpy']}",
+        f"torch {machine['torch'] or 'not installed'}",
+        f"mpi4py {machine['mpi4py'] or 'not installed'}",
+        machine["open_mpi"] or "Open MPI not found",
+        f"asyncreduce {machine['asyncreduce']}" + _state_words(machine.get("library", {})),
+    ]
+    load = machine.get("load_1min")
+    if load:
+        parts.append(f"load average before/after {load['before']}/{load['after']}")
+    return "machine: " + "; ".join(parts)
+
+
+def _state_words(state: dict[str, Any]) -> str:
+    words = []
+    if state.get("commit"):
+        changes = len(state.get("src_changes", []))
+        words.append(
+            f"git {state['commit']}" + (f" + {changes} changed in src/" if changes else "")
+        )
+    words += [f"{k}={v}" for k, v in state.get("env", {}).items()]
+    return f" ({', '.join(words)})" if words else ""
+
+
+def preamble(run: Run, machine: dict[str, Any]) -> list[str]:
+    """The lines every report starts with: machine, skipped, failures, notes."""
+    lines = [machine_line(machine)]
+    lines += [f"skipped {lib}: {why}" for lib, why in run.skipped.items()]
+    lines += [f"FAILED {f['lib']} N={f['nprocs']}: {f['error']}" for f in run.failures]
+    lines += [f"note: {text}" for text in run.notes]
+    return lines
+
+
+def write_json(
+    path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float,
+    summary: dict[str, Any],
+) -> None:  # fmt: skip
+    document = {
+        "benchmark": run.benchmark,
+        "command": {
+            "line": shlex.join(["asyncreduce", "bench", run.benchmark, *argv]),
+            "argv": list(argv),
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 2),
+        "machine": machine,
+        "settings": run.settings,
+        "skipped": run.skipped,
+        "failures": run.failures,
+        "notes": run.notes,
+        "set_seconds": run.set_seconds,
+        "results": run.results,
+        "summary": summary,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """What ``parent_main`` needs from one benchmark."""
+
+    name: str
+    script: Path
+    spec: Callable[[str, int], SetSpec]  # (lib, nprocs) -> how to run that set
+    report: Callable[[Run, dict[str, Any]], str]
+    summary: Callable[[Run], dict[str, Any]]
+    plot: Callable[[Path, Run], None]
+
+
+def replay(bench: Benchmark, path: Path, plot_path: Path | None) -> int:
+    """Print the report of a saved ``--json`` document (and plot it) without running anything."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"{bench.name} bench: cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    if doc.get("benchmark") != bench.name:
+        print(f"{bench.name} bench: {path} is a {doc.get('benchmark')!r} run", file=sys.stderr)
+        return 2
+    run = Run(bench.name, doc["settings"], doc["results"], doc["skipped"], doc["failures"],
+              doc["notes"], doc["set_seconds"])  # fmt: skip
+    print(bench.report(run, doc["machine"]))
+    print(f"\n(measured {doc['date']} by: {doc['command']['line']}; total {doc['elapsed_s']} s)")
+    if plot_path is not None and run.results:
+        bench.plot(plot_path, run)
+        print(f"wrote {plot_path}")
+    return 1 if run.failures else 0
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def parent_main(
+    bench: Benchmark, run: Run, libs: Sequence[str], nprocs: Sequence[int],
+    argv: Sequence[str], args: argparse.Namespace,
+) -> int:  # fmt: skip
+    """Run every (N, library) set in turn, print the report, write JSON and plot.
+
+    ``args`` supplies ``json``, ``plot`` and ``from_json`` (report a saved run instead).
+    """
+    json_path, plot_path = args.json, args.plot
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        print("--plot needs matplotlib: pip install 'asyncreduce[plot]'", file=sys.stderr)
+        return 2
+    if args.from_json is not None:
+        return replay(bench, args.from_json, plot_path)
+    started, load_before = time.monotonic(), _load()
+    for lib in libs:
+        why = unavailable(lib)
+        if why:
+            run.skipped[lib] = why
+            print(f"{bench.name} bench: skipping {lib}: {why}", file=sys.stderr)
+    progress = Progress()
+    interrupted = False
+    try:
+        for n in nprocs:
+            for lib in libs:
+                if lib not in run.skipped:
+                    run_set(bench.spec(lib, n), run, progress)
+    except KeyboardInterrupt:  # the set is torn down already; report what we have
+        interrupted = True
+        progress.end(f"{bench.name} bench: interrupted; partial results follow")
+    elapsed = time.monotonic() - started
+    machine = {**machine_info(), "library": library_state()}
+    machine["load_1min"] = {"before": load_before, "after": _load()}
+    print(bench.report(run, machine))
+    print(f"\n(total {elapsed:.1f} s)")
+    if json_path is not None:
+        write_json(json_path, run, machine, argv, elapsed, bench.summary(run))
+        print(f"wrote {json_path}")
+    if plot_path is not None and run.results:
+        bench.plot(plot_path, run)
+        print(f"wrote {plot_path}")
+    if interrupted:
+        return 130
+    return 1 if run.failures else 0

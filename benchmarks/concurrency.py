@@ -1,0 +1,463 @@
+"""Ten allreduces at once or one after another: asyncreduce, Gloo and Open MPI, wall time.
+
+Theory of operation
+-------------------
+The question: does running ten 8M-float allreduces (32 MiB each) concurrently, in ten threads
+or as ten outstanding requests, beat running them one after another, and how does each library
+fare? For every (library, N) one fresh set of N ranks (see ``common.py``) allocates ``tensors``
+float32 buffers of ``elements`` each and times every variant of that library:
+
+* asyncreduce: ``sequential`` (``allreduce`` one after another); ``threads`` (ten threads, each
+  one blocking ``allreduce`` with its own name: one connection per pair of ranks, one progress
+  thread, chunks of all ten interleaved); ``requests`` (one thread: ``iallreduce`` x10, then
+  ``wait_all``).
+* Gloo (``torch.distributed``): ``sequential``; ``threads`` (ten threads, ten process groups from
+  ``dist.new_group``, one per thread); ``pool2``/``pool4`` (ten threads sharing 2 or 4 of those
+  groups: thread i uses group i mod P once thread i-P is done with it, an order that is the same
+  on every rank, as Gloo requires); ``async`` (one thread: ``async_op=True`` x10 on the default
+  group, then ``wait`` each).
+* Open MPI (mpi4py, default transports: shared memory on one host): ``sequential``
+  (``Allreduce``); ``requests`` (``Iallreduce`` x10 + ``Waitall``); ``threads`` (ten threads,
+  each ``Allreduce`` on its own ``COMM_WORLD.Dup()``; needs ``MPI_THREAD_MULTIPLE``, skipped with
+  a note when the library does not grant it).
+
+Every run: fill buffer i with ``rank + 1 + i`` (untimed), barrier, run the variant; the wall
+time is the slowest rank's. One warm-up run, then ``repeats`` timed ones, median reported. After
+every run the buffers are checked against the expected sums (a sample of elements), so a
+variant that paired the wrong tensors across ranks is caught, not timed. "bus GB/s" is
+``tensors * bytes * 2 (N-1) / N / time``.
+
+Run it as ``asyncreduce bench concurrency [options]`` or ``python benchmarks/concurrency.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py and allreduce.py
+import common  # noqa: E402
+
+__all__ = ["main", "VARIANTS"]
+
+DEFAULT_TENSORS = 10
+DEFAULT_ELEMENTS = 8 << 20  # 8M float32 = 32 MiB
+QUICK_ELEMENTS = 1 << 20
+DEFAULT_REPEATS = 3
+QUICK_REPEATS = 2
+_SAMPLE = 4099  # check every 4099th element (a prime: touches every page of the buffer)
+
+#: (library, variant) -> the label in tables and plots; the order is the table's.
+VARIANTS: dict[tuple[str, str], str] = {
+    ("asyncreduce", "sequential"): "sequential: allreduce x10",
+    ("asyncreduce", "threads"): "10 threads, 1 named allreduce each",
+    ("asyncreduce", "requests"): "1 thread: iallreduce x10 + wait_all",
+    ("gloo", "sequential"): "sequential: all_reduce x10",
+    ("gloo", "threads"): "10 threads, 10 process groups",
+    ("gloo", "pool2"): "10 threads, pool of 2 groups",
+    ("gloo", "pool4"): "10 threads, pool of 4 groups",
+    ("gloo", "async"): "1 thread: async_op=True x10 + wait",
+    ("mpi", "sequential"): "sequential: Allreduce x10",
+    ("mpi", "requests"): "1 thread: Iallreduce x10 + Waitall",
+    ("mpi", "threads"): "10 threads, 10 Dup'd communicators",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    nprocs: list[int]
+    libs: list[str]
+    tensors: int
+    elements: int
+    repeats: int
+    warmup: int
+    quick: bool
+
+
+def _count(text: str) -> int:
+    """``"8M"`` -> 8388608 elements, ``"256K"`` -> 262144, ``"1000"`` -> 1000."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KM]?)\s*", text.upper())
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"not an element count: {text!r} (try 8M, 256K, 1000)")
+    return int(match.group(1)) << {"": 0, "K": 10, "M": 20}[match.group(2)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = common.base_parser(
+        "concurrency",
+        "Wall time of ten concurrent float32 allreduces (threads, outstanding requests) vs ten "
+        "sequential ones: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py).",
+        common.LIBS,
+        DEFAULT_REPEATS,
+        f"{QUICK_ELEMENTS >> 20}M elements per tensor, {QUICK_REPEATS} repeats",
+    )
+    parser.add_argument(
+        "--tensors",
+        type=common.positive_int,
+        default=DEFAULT_TENSORS,
+        help=f"allreduces per run (default {DEFAULT_TENSORS})",
+    )
+    parser.add_argument(
+        "--elements",
+        type=_count,
+        default=None,
+        help="float32 elements per tensor, K/M suffixes (default 8M = 32 MiB)",
+    )
+    parser.add_argument(
+        "--warmup", type=common.positive_int, default=1, help="untimed runs first (default 1)"
+    )
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    quick = bool(args.quick)
+    return Settings(
+        nprocs=args.nprocs,
+        libs=args.libs,
+        tensors=args.tensors,
+        elements=args.elements or (QUICK_ELEMENTS if quick else DEFAULT_ELEMENTS),
+        repeats=args.repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS),
+        warmup=args.warmup,
+        quick=quick,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = common.parse(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    if args.worker:
+        return common.worker_main(args, _worker)
+    s = _settings(args)
+    bench = common.Benchmark(
+        "concurrency", Path(__file__), lambda lib, n: _spec(s, args.timeout, lib, n),
+        report, summary, plot,
+    )  # fmt: skip
+    run = common.Run("concurrency", asdict(s))
+    return common.parent_main(bench, run, s.libs, s.nprocs, argv, args)
+
+
+def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
+    runs = s.warmup + s.repeats
+    slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
+    step = 60.0 + runs * s.tensors * s.elements * 4 * nprocs / slow_bytes_per_s
+    variants = sum(1 for key in VARIANTS if key[0] == lib)
+    limit = timeout or common.STARTUP_S + variants * step
+    return common.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
+
+
+# ---- the worker: one rank ------------------------------------------------------------------
+
+
+class _Turns:
+    """Thread i may use group i mod P only after thread i-P is done with it.
+
+    Collectives on one Gloo process group must be issued in the same order on every rank; a
+    first-come pool would let threads race for a group differently on each rank.
+    """
+
+    def __init__(self, groups: int) -> None:
+        self._cond = threading.Condition()
+        self._next = [0] * groups
+
+    def reset(self) -> None:
+        with self._cond:
+            self._next = [0] * len(self._next)
+
+    @contextlib.contextmanager
+    def turn(self, group: int, ticket: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._next[group] == ticket)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._next[group] += 1
+                self._cond.notify_all()
+
+
+class _Buffers:
+    """The tensors of one rank, their fill values and the check of their sums."""
+
+    def __init__(self, rank: common.Rank, s: Settings) -> None:
+        self.rank = rank
+        if rank.lib == "gloo":
+            torch: Any = rank.torch  # type: ignore[attr-defined]
+            self.x: list[Any] = [
+                torch.empty(s.elements, dtype=torch.float32) for _ in range(s.tensors)
+            ]
+        else:
+            np: Any = __import__("numpy")
+            self.x = [np.empty(s.elements, dtype=np.float32) for _ in range(s.tensors)]
+        self.bad = 0
+
+    def fill(self) -> None:
+        for i, x in enumerate(self.x):
+            x[:] = self.rank.rank + 1 + i
+
+    def check(self) -> None:
+        n = self.rank.size
+        for i, x in enumerate(self.x):
+            expected = n * (n + 1) // 2 + n * i
+            if not bool((x[::_SAMPLE] == expected).all()):
+                self.bad += 1
+
+
+def _asyncreduce_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    comm, ar = rank.comm, rank.ar
+    names = [f"concurrency.{i}" for i in range(len(b.x))]
+
+    def one(i: int) -> None:
+        comm.allreduce(b.x[i], name=names[i])
+
+    def sequential() -> None:
+        for i in range(len(b.x)):
+            one(i)
+
+    def requests() -> None:
+        ar.wait_all([comm.iallreduce(x, name=name) for x, name in zip(b.x, names, strict=True)])
+
+    return {
+        "sequential": sequential,
+        "threads": lambda: list(pool.map(one, range(len(b.x)))),
+        "requests": requests,
+    }
+
+
+def _gloo_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    dist = rank.dist
+    groups = [dist.new_group(backend="gloo") for _ in b.x]  # every rank, same order
+
+    def sequential() -> None:
+        for x in b.x:
+            dist.all_reduce(x)
+
+    def own_group(i: int) -> None:
+        dist.all_reduce(b.x[i], group=groups[i])
+
+    def pooled(size: int) -> Callable[[], None]:
+        turns = _Turns(size)
+
+        def one(i: int) -> None:
+            with turns.turn(i % size, i // size):
+                dist.all_reduce(b.x[i], group=groups[i % size])
+
+        def step() -> None:
+            turns.reset()
+            list(pool.map(one, range(len(b.x))))
+
+        return step
+
+    def async_ops() -> None:
+        for work in [dist.all_reduce(x, async_op=True) for x in b.x]:
+            work.wait()
+
+    return {
+        "sequential": sequential,
+        "threads": lambda: list(pool.map(own_group, range(len(b.x)))),
+        "pool2": pooled(2),
+        "pool4": pooled(4),
+        "async": async_ops,
+    }
+
+
+def _mpi_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    mpi, comm = rank.MPI, rank.comm
+
+    def sequential() -> None:
+        for x in b.x:
+            comm.Allreduce(mpi.IN_PLACE, x, op=mpi.SUM)
+
+    def requests() -> None:
+        mpi.Request.Waitall([comm.Iallreduce(mpi.IN_PLACE, x, op=mpi.SUM) for x in b.x])
+
+    steps: dict[str, Any] = {"sequential": sequential, "requests": requests}
+    if rank.thread_multiple:
+        comms = [comm.Dup() for _ in b.x]  # one communicator per thread: no ordering to keep
+
+        def own_comm(i: int) -> None:
+            comms[i].Allreduce(mpi.IN_PLACE, b.x[i], op=mpi.SUM)
+
+        steps["threads"] = lambda: list(pool.map(own_comm, range(len(b.x))))
+    return steps
+
+
+_STEPS = {"asyncreduce": _asyncreduce_steps, "gloo": _gloo_steps, "mpi": _mpi_steps}
+
+
+def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
+    s = Settings(**settings)
+    buffers = _Buffers(rank, s)
+    with ThreadPoolExecutor(max_workers=s.tensors, thread_name_prefix="bench-thread") as pool:
+        steps = _STEPS[rank.lib](rank, buffers, pool)
+        if rank.lib == "mpi" and "threads" not in steps:
+            tell("note", text="MPI_THREAD_MULTIPLE not granted: the threads variant is skipped")
+        for (lib, variant), label in VARIANTS.items():
+            if lib != rank.lib or variant not in steps:
+                continue
+            tell("start", step=variant)
+            buffers.bad = 0
+            times = common.timed(
+                rank, steps[variant], s.repeats, s.warmup, buffers.fill, buffers.check
+            )
+            bad = rank.max(float(buffers.bad))
+            tell("result", variant=variant, label=label, seconds=common.median(times),
+                 repeats_s=times, verified=bad == 0)  # fmt: skip
+
+
+# ---- the parent: report ---------------------------------------------------------------------
+
+
+def _busbw(s: dict[str, Any], nprocs: int, seconds: float) -> float:
+    nbytes = int(s["tensors"]) * int(s["elements"]) * 4
+    return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
+
+
+def _best(run: common.Run, lib: str, nprocs: int, concurrent: bool | None = None) -> Any:
+    rows = [
+        r
+        for r in run.rows(lib=lib, nprocs=nprocs)
+        if concurrent is None or (r["variant"] != "sequential") == concurrent
+    ]
+    return min(rows, key=lambda r: r["seconds"]) if rows else None
+
+
+def summary(run: common.Run) -> dict[str, Any]:
+    """Per N: each library's best and sequential time, and the two ratios the report states."""
+    out: dict[str, Any] = {}
+    for nprocs in run.settings["nprocs"]:
+        entry: dict[str, Any] = {}
+        for lib in run.settings["libs"]:
+            seq = run.rows(lib=lib, nprocs=nprocs, variant="sequential")
+            best, conc = _best(run, lib, nprocs), _best(run, lib, nprocs, True)
+            if not best:
+                continue
+            entry[lib] = {
+                "best_variant": best["variant"],
+                "best_s": best["seconds"],
+                "sequential_s": seq[0]["seconds"] if seq else None,
+                "best_concurrent_variant": conc["variant"] if conc else None,
+                "concurrent_vs_sequential": (
+                    seq[0]["seconds"] / conc["seconds"] if seq and conc else None
+                ),
+            }
+        if "asyncreduce" in entry and "gloo" in entry:
+            entry["ours_best_over_gloo_best"] = (
+                entry["asyncreduce"]["best_s"] / entry["gloo"]["best_s"]
+            )
+        out[str(nprocs)] = entry
+    return out
+
+
+def _table(run: common.Run, nprocs: int) -> str:
+    s = run.settings
+    headers = ["library", "variant", "ms", "min-max ms", "bus GB/s", "vs seq", "check"]
+    rows = []
+    for (lib, variant), label in VARIANTS.items():
+        found = run.rows(lib=lib, nprocs=nprocs, variant=variant)
+        if not found:
+            if lib in s["libs"] and lib not in run.skipped and run.failed(lib, nprocs):
+                rows.append([lib, label, "fail", "-", "-", "-", "-"])
+            continue
+        r = found[0]
+        seq = run.rows(lib=lib, nprocs=nprocs, variant="sequential")
+        ratio = f"{seq[0]['seconds'] / r['seconds']:.2f}x" if seq else "-"
+        spread = "-".join(common.fmt_ms(f(r["repeats_s"])) for f in (min, max))
+        rows.append([
+            lib, label, common.fmt_ms(r["seconds"]), spread,
+            f"{_busbw(s, nprocs, r['seconds']):.2f}", ratio, "ok" if r["verified"] else "WRONG",
+        ])  # fmt: skip
+    size = common.format_size(s["elements"] * 4)
+    title = (
+        f"N={nprocs}: {s['tensors']} allreduces of {s['elements']} float32 ({size}) each, sum in "
+        f"place; wall time of all of them, median of {s['repeats']} after {s['warmup']} warm-up"
+        "\nvs seq = sequential time / this time (above 1: faster than one after another); "
+        "check = every rank held the right sums"
+    )
+    return "\n".join([title, common.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
+
+
+def _verdicts(run: common.Run, nprocs: int) -> list[str]:
+    entry = summary(run).get(str(nprocs), {})
+    lines = []
+    for lib in common.LIBS:
+        e = entry.get(lib)
+        if e and e["concurrent_vs_sequential"]:
+            label = VARIANTS[(lib, e["best_concurrent_variant"])]
+            lines.append(
+                f"{lib}: best concurrent ({label}) vs sequential: "
+                f"speed-up {e['concurrent_vs_sequential']:.2f}x"
+            )
+    if "ours_best_over_gloo_best" in entry:
+        mine, gloo = entry["asyncreduce"], entry["gloo"]
+        lines.append(
+            f"our best / Gloo best: {entry['ours_best_over_gloo_best']:.2f}x the time "
+            f"({VARIANTS[('asyncreduce', mine['best_variant'])]}, "
+            f"{common.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
+            f"{common.fmt_ms(gloo['best_s'])} ms)"
+        )
+    return lines
+
+
+def report(run: common.Run, machine: dict[str, Any]) -> str:
+    lines = common.preamble(run, machine)
+    for nprocs in run.settings["nprocs"]:
+        lines += ["", _table(run, nprocs)]
+    return "\n".join(lines)
+
+
+def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
+    """Bars grouped by library (a gap between groups), the sequential one paler."""
+    colors = {"asyncreduce": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
+    Patch: Any = importlib.import_module("matplotlib.patches").Patch
+    x, ticks, labels, used = 0.0, list[float](), list[str](), set[str]()
+    for (lib, variant), label in VARIANTS.items():
+        found = run.rows(lib=lib, nprocs=nprocs, variant=variant)
+        if not found:
+            continue
+        used.add(lib)
+        if variant == "sequential" and ticks:
+            x += 0.8
+        alpha = 0.5 if variant == "sequential" else 0.95
+        bar = ax.bar(x, found[0]["seconds"] * 1e3, color=colors[lib], alpha=alpha)
+        ax.bar_label(bar, fmt="%.0f", fontsize=7)
+        ticks.append(x)
+        labels.append(label)
+        x += 1
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    patches = [Patch(color=colors[lib], label=lib) for lib in common.LIBS if lib in used]
+    ax.legend(handles=patches)
+
+
+def plot(path: Path, run: common.Run) -> None:
+    """One panel per N: wall time of every variant, grouped by library."""
+    plt = common.pyplot()
+    s = run.settings
+    ns = s["nprocs"]
+    fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 5.5), squeeze=False)
+    for ax, nprocs in zip(axes[0], ns, strict=True):
+        _bars(ax, run, nprocs)
+        size = common.format_size(s["elements"] * 4)
+        ax.set_title(f"{s['tensors']} allreduces of {size}, N={nprocs}")
+        ax.set_ylabel("wall time of all of them (ms), lower is better")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -192,7 +192,7 @@ def shm_pair(size: int = 1 << 20) -> tuple[TcpTransport, Sink, TcpTransport, Sin
 
 
 def test_large_payloads_go_through_shared_memory_in_order_and_wrap_around() -> None:
-    ta, sa, tb, sb = shm_pair(1 << 20)  # far smaller than what is sent: credits must flow
+    ta, sa, tb, sb = shm_pair(4 << 20)  # smaller than what is sent: credits must flow
     payloads = [os.urandom(n) for n in [300_000, 17, 500_000, 20_000, 0] * 8]
     for i, p in enumerate(payloads):
         ta.send(1, *frame(b"op", p, step=i), 0, i)

@@ -11,8 +11,10 @@ The arena is a ring used strictly in order. A payload goes at the writer's curso
 offset 0 if it would cross the end (the tail is skipped); writer and reader apply the same
 rule, so no offset travels. The reader consumes payloads in the order their headers arrive
 (TCP keeps that order), then returns the space with a CREDIT frame carrying its cumulative
-position, once a quarter of the arena is free to return (a payload is at most half the arena,
-so the writer always gets space back before it could wait forever). The writer never
+position, once a quarter of the window is free to return. The writer keeps at most a window
+(half the arena) uncredited, so a more urgent frame never queues behind much bulk data, and a
+payload is at most half the window, so the writer always gets space back before it could
+wait forever. The writer never
 overwrites bytes the reader has not credited, so the data is stable while the reader copies
 it out or reduces straight from it.
 """
@@ -35,7 +37,7 @@ __all__ = [
     "SHM_MIN_BYTES",
 ]
 
-ARENA_BYTES = 16 << 20  # per ordered pair of ranks on a host
+ARENA_BYTES = 8 << 20  # per ordered pair of ranks on a host
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no page faults on the hot path
 SHM_MIN_BYTES = 16 << 10  # smaller payloads ride along with their header on TCP
 _DIR = "/dev/shm"
@@ -51,6 +53,7 @@ class Arena:
 
     def __init__(self, mapping: mmap.mmap) -> None:
         self.size = len(mapping)
+        self.window = self.size // 2  # at most this much uncredited: urgent frames wait less
         self._mapping = mapping
         self.view = memoryview(mapping)
         self.position = 0  # writer: bytes placed; reader: bytes consumed
@@ -65,12 +68,16 @@ class Arena:
 
     def fits(self, nbytes: int) -> bool:
         """Whether a payload this large may ever use the arena."""
-        return nbytes <= self.size // 2
+        return nbytes <= self.window // 2
+
+    def credit_due(self) -> bool:
+        """Reader: enough consumed since the last CREDIT to send another."""
+        return self.position - self.credited >= self.window // 4
 
     def write(self, payload: memoryview) -> bool:
         """Copy ``payload`` in at the next place; False (nothing written) if no room yet."""
         offset, advance = self._place(payload.nbytes)
-        if self.position + advance - self.credited > self.size:
+        if self.position + advance - self.credited > self.window:
             return False
         copy_bytes(self.view[offset : offset + payload.nbytes], payload)
         self.position += advance

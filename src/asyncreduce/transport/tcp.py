@@ -345,7 +345,7 @@ class TcpTransport(Transport):
             peer.payload = dest
             self._deliver(peer)
         view.release()
-        if arena.position - arena.credited >= arena.size // 4:  # credit in batches
+        if arena.credit_due():  # credit in batches
             arena.credited = arena.position
             credit = pack_header(CREDIT, b"", arena.position, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
             self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)

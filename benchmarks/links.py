@@ -1,0 +1,618 @@
+"""Allreduce across emulated hosts behind 1 and 10 Gbit/s links: bus bandwidth, share of link.
+
+Theory of operation
+-------------------
+``allreduce.py`` measures ranks on one machine over the loopback, where bandwidth is set by
+memory copies and the CPU, not by a network. Here every rank gets its own emulated host:
+``scripts/cluster.py`` makes K network namespaces on one virtual switch, each behind a
+full-duplex link shaped by ``tc tbf`` to the chosen rate (both directions), so a collective
+is bound by the link, as on a real cluster with 1 or 10 GbE.
+
+For every (K hosts, rate) the parent (``main``) builds one cluster, checks the link with one
+TCP stream h0 -> h1 (what any TCP library can hope for: ~95% of the rate at MTU 1500, where
+Ethernet, IP and TCP headers take the rest), then runs each library's worker set in it:
+
+* ``asyncreduce`` and ``gloo``: one rank per host, ``python allreduce.py --worker LIB`` in the
+  host's namespace with RANK, WORLD_SIZE, MASTER_ADDR = host 0's address, MASTER_PORT (any:
+  the namespaces are private), ASYNCREDUCE_ADDR = the host's own address and
+  GLOO_SOCKET_IFNAME = its interface;
+* ``mpi``: Open MPI over TCP (``btl self,tcp`` on the cluster interface): ``mpirun`` runs in
+  host 0 and starts its daemon on every other host through an rsh agent that enters that
+  host's namespace (``Cluster.mpirun_argv``), one rank per host.
+
+The workers are exactly ``allreduce.py``'s (same warm-up, repeats, median, max over ranks; see
+its docstring), so the numbers compare with that benchmark's. Rank 0 reports JSON lines on
+stdout, each prefixed with ``allreduce.MARK``; anything else is kept as the tail shown when a
+set fails. Each set has a hard time limit (scaled to the sizes and the link), after which
+every process in it is killed; the cluster is torn down after each (K, rate), whatever
+happens (``Cluster`` also does it on SIGINT, SIGTERM and at exit).
+
+Bus bandwidth is ``bytes * 2 (K-1) / K / time``: what each host's link carries each way in a
+ring allreduce, so ``busbw / rate`` is the share of the link the library turns into
+allreduce throughput (at most ~0.95, the TCP payload share).
+
+Needs root, ``ip`` and ``tc`` (iproute2). Run it as ``asyncreduce bench links [options]`` or
+``python benchmarks/links.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["LIBS", "main"]
+
+LIBS = ("asyncreduce", "gloo", "mpi")
+DEFAULT_RATES = "1gbit,10gbit"
+DEFAULT_HOSTS = "2,4"
+DEFAULT_SIZES = "32M"
+DEFAULT_MIN_TIME, QUICK_MIN_TIME = 0.5, 0.2
+DEFAULT_WARMUP, QUICK_WARMUP = 3, 2
+DEFAULT_REPEATS = 3
+DEFAULT_TCP_S, QUICK_TCP_S = 1.0, 0.5
+MASTER_PORT = 29500
+_SAY = "links bench: "
+_STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
+_HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """Import a file of this checkout by path (benchmarks/ and scripts/ are no packages)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+allreduce: Any = _load("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
+cluster: Any = _load("asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py")
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _list(kind: str, parse: Any) -> Any:
+    def convert(text: str) -> list[Any]:
+        try:
+            values = [parse(part.strip()) for part in text.split(",") if part.strip()]
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"bad {kind} list {text!r}: {exc}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"no {kind} given")
+        return list(dict.fromkeys(values))
+
+    return convert
+
+
+def _hosts(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise ValueError("at least 2 hosts")
+    return value
+
+
+def _lib(text: str) -> str:
+    if text not in LIBS:
+        raise ValueError(f"unknown library {text!r}; choose from {','.join(LIBS)}")
+    return text
+
+
+def _rate(text: str) -> str:
+    cluster.parse_rate(text)
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncreduce bench links",
+        description="Allreduce (float32 sum) across emulated hosts (network namespaces behind "
+        "tbf-shaped links, scripts/cluster.py): asyncreduce, Gloo and Open MPI over TCP. "
+        "Needs root, ip and tc.",
+        epilog="example: asyncreduce bench links --quick --json results/links.json",
+    )
+    add = parser.add_argument
+    add(
+        "--hosts",
+        type=_list("host", _hosts),
+        default=None,
+        help=f"host counts (default {DEFAULT_HOSTS}; with --quick 2)",
+    )
+    add(
+        "--rates",
+        type=_list("rate", _rate),
+        default=_list("rate", _rate)(DEFAULT_RATES),
+        help=f"link rates (default {DEFAULT_RATES})",
+    )
+    add(
+        "--sizes",
+        type=_list("size", allreduce.parse_size),
+        default=None,
+        help=f"buffer sizes, K/M suffixes (default {DEFAULT_SIZES})",
+    )
+    add(
+        "--libs",
+        type=_list("library", _lib),
+        default=list(LIBS),
+        help=f"libraries (default {','.join(LIBS)}); missing ones are skipped",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help=f"2 hosts, --min-time {QUICK_MIN_TIME}, --warmup {QUICK_WARMUP}, "
+        f"--tcp-seconds {QUICK_TCP_S}",
+    )
+    add("--json", type=Path, metavar="PATH", help="write every result here")
+    add("--plot", type=Path, metavar="PATH", help="share of the link per library, PNG")
+    add(
+        "--min-time",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds of timed allreduces per point (default {DEFAULT_MIN_TIME})",
+    )
+    add(
+        "--warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"untimed allreduces per point, at most (default {DEFAULT_WARMUP})",
+    )
+    add(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        metavar="R",
+        help=f"timed repeats, the median is reported (default {DEFAULT_REPEATS})",
+    )
+    add(
+        "--tcp-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"the one-stream TCP link check per cluster, 0 to skip (default {DEFAULT_TCP_S})",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="hard limit per worker set (default: scaled to sizes and rate)",
+    )
+    return parser  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Settings:
+    hosts: list[int]
+    rates: list[str]
+    sizes: list[int]
+    libs: list[str]
+    min_time: float
+    warmup: int
+    repeats: int
+    tcp_seconds: float
+    timeout: float | None
+    quick: bool
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    quick = bool(args.quick)
+    return Settings(
+        hosts=args.hosts or ([2] if quick else _list("host", _hosts)(DEFAULT_HOSTS)),
+        rates=args.rates,
+        sizes=sorted(args.sizes or _list("size", allreduce.parse_size)(DEFAULT_SIZES)),
+        libs=args.libs,
+        min_time=args.min_time or (QUICK_MIN_TIME if quick else DEFAULT_MIN_TIME),
+        warmup=args.warmup or (QUICK_WARMUP if quick else DEFAULT_WARMUP),
+        repeats=max(1, args.repeats),
+        tcp_seconds=(QUICK_TCP_S if quick else DEFAULT_TCP_S)
+        if args.tcp_seconds is None
+        else args.tcp_seconds,
+        timeout=args.timeout,
+        quick=quick,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; return the exit code (2: bad arguments or no way to run it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    why = cluster.available()
+    if why:
+        print(f"{_SAY}cannot emulate hosts here: {why}", file=sys.stderr)
+        return 2
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print(f"{_SAY}--plot needs matplotlib (pip install 'asyncreduce[plot]')", file=sys.stderr)
+        return 2
+    return _parent_main(_settings(args), args.json, args.plot, argv)
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    lib: str
+    hosts: int
+    rate: str
+    rate_bps: float
+    bytes: int
+    latency_us: float
+    busbw_gbps: float  # GB/s
+    link_share: float  # busbw / rate
+    algorithm: str
+    min_us: float
+    repeats_us: list[float]
+    iters: int
+    warmup: int
+
+
+@dataclass
+class Run:
+    settings: Settings
+    results: list[Result] = field(default_factory=list)
+    tcp: list[dict[str, Any]] = field(default_factory=list)  # the link checks
+    skipped: dict[str, str] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    set_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class SetError(Exception):
+    """A worker set failed, timed out or did not report."""
+
+
+# ---- one worker set in one cluster ----------------------------------------------------------
+
+
+class _Lines:
+    """``on_line`` for ``Cluster.run``: rank 0's reports, and the tail of everything else."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.tails: dict[int, deque[str]] = {}
+
+    def __call__(self, host: int, line: str) -> None:
+        if line.startswith(allreduce.MARK):
+            with contextlib.suppress(json.JSONDecodeError):
+                self.messages.append(json.loads(line[len(allreduce.MARK) :]))
+                return
+        self.tails.setdefault(host, deque(maxlen=12)).append(line)
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"  h{host}: {line}" for host, lines in sorted(self.tails.items()) for line in lines
+        )
+
+
+def _unavailable(lib: str) -> str | None:
+    if lib == "gloo" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'asyncreduce[torch]')"
+    if lib == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
+        for tool in ("mpirun", "orted"):
+            if shutil.which(tool) is None:
+                return f"{tool} is not on PATH (install Open MPI)"
+    return None
+
+
+def _package_root() -> str | None:
+    spec = importlib.util.find_spec("asyncreduce")
+    if spec is None or spec.origin is None:
+        return None
+    return str(Path(spec.origin).resolve().parents[1])
+
+
+def _limit(settings: Settings, hosts: int, rate_bps: float) -> float:
+    """Seconds a set may take: start-up, then ~10x the ideal time of every allreduce."""
+    total = _STARTUP_S
+    for nbytes in settings.sizes:
+        ideal = nbytes * 2 * (hosts - 1) / hosts * 8 / rate_bps
+        total += 30 + 2 * settings.min_time + 10 * (settings.warmup + settings.repeats + 2) * ideal
+    return settings.timeout or total
+
+
+def _worker_argv(lib: str, settings: Settings, limit: float) -> list[str]:
+    return [
+        sys.executable, str(_HERE / "allreduce.py"), "--worker", lib,
+        "--sizes", ",".join(str(s) for s in settings.sizes),
+        "--min-time", repr(settings.min_time), "--warmup", str(settings.warmup),
+        "--repeats", str(settings.repeats), "--parent-pid", str(os.getpid()),
+        "--deadline", f"{limit + 30:.0f}",
+    ]  # fmt: skip
+
+
+def _env(c: Any, lib: str, host: int) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    root = _package_root()
+    if root:  # the workers use the same asyncreduce as this process
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    if lib != "mpi":
+        env.update(
+            RANK=str(host),
+            WORLD_SIZE=str(c.hosts),
+            MASTER_ADDR=c.addrs[0],
+            MASTER_PORT=str(MASTER_PORT),
+            ASYNCREDUCE_ADDR=c.addrs[host],
+            GLOO_SOCKET_IFNAME=c.ifname,
+        )
+    return env
+
+
+def _run_set(c: Any, lib: str, settings: Settings, run: Run, rate: str) -> None:
+    tag = f"[{lib} K={c.hosts} {rate}]"
+    limit = _limit(settings, c.hosts, c.rate_bps)
+    lines = _Lines()
+    argv = _worker_argv(lib, settings, limit)
+    print(f"{_SAY}{tag} running (hard limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    try:
+        if lib == "mpi":
+            mpi = c.mpirun_argv(argv, extra=["-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED"])
+            codes = c.run(mpi, lambda i: _env(c, lib, i), timeout=limit, on_line=lines, on=[0])
+        else:
+            codes = c.run(argv, lambda i: _env(c, lib, i), timeout=limit, on_line=lines)
+        _check(codes, lines)
+    except (SetError, TimeoutError, cluster.ClusterError) as exc:
+        run.failures.append(
+            {"lib": lib, "hosts": c.hosts, "rate": rate, "error": str(exc), "tail": lines.tail()}
+        )
+        print(f"{_SAY}{tag} FAILED: {exc}\n{lines.tail()}", file=sys.stderr)
+        return
+    for message in lines.messages:
+        if message.get("event") == "result":
+            run.results.append(_result(message, lib, c.hosts, rate, c.rate_bps))
+    took = time.monotonic() - started
+    run.set_seconds[f"{lib} K={c.hosts} {rate}"] = round(took, 2)
+    print(f"{_SAY}{tag} done in {took:.1f} s", file=sys.stderr, flush=True)
+
+
+def _check(codes: list[int], lines: _Lines) -> None:
+    failed = [f"h{i} exited with {code}" for i, code in enumerate(codes) if code != 0]
+    if failed:
+        raise SetError("; ".join(failed))
+    if not any(m.get("event") == "done" for m in lines.messages):
+        raise SetError("rank 0 exited without reporting done")
+
+
+def _result(message: dict[str, Any], lib: str, hosts: int, rate: str, rate_bps: float) -> Result:
+    nbytes = int(message["bytes"])
+    busbw = allreduce.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
+    return Result(
+        lib=lib,
+        hosts=hosts,
+        rate=rate,
+        rate_bps=rate_bps,
+        bytes=nbytes,
+        latency_us=float(message["latency_us"]),
+        busbw_gbps=busbw,
+        link_share=busbw * 8e9 / rate_bps,
+        algorithm=str(message["algorithm"]),
+        min_us=float(message["min_us"]),
+        repeats_us=[float(t) for t in message["repeats_us"]],
+        iters=int(message["iters"]),
+        warmup=int(message["warmup"]),
+    )
+
+
+def _tcp_check(c: Any, settings: Settings, run: Run, rate: str) -> None:
+    if settings.tcp_seconds <= 0:
+        return
+    try:
+        found = c.measure_tcp(0, 1, seconds=settings.tcp_seconds)
+    except (cluster.ClusterError, OSError, ValueError) as exc:
+        print(f"{_SAY}TCP link check failed at {rate}: {exc}", file=sys.stderr)
+        return
+    run.tcp.append({"hosts": c.hosts, "rate": rate, "send_s": settings.tcp_seconds, **found})
+
+
+def _run_cluster(hosts: int, rate: str, libs: list[str], settings: Settings, run: Run) -> None:
+    try:
+        with cluster.Cluster(hosts, rate) as c:
+            _tcp_check(c, settings, run, rate)
+            for lib in libs:
+                _run_set(c, lib, settings, run, rate)
+    except cluster.ClusterError as exc:
+        for lib in libs:
+            run.failures.append({"lib": lib, "hosts": hosts, "rate": rate, "error": str(exc)})
+        print(f"{_SAY}cluster of {hosts} at {rate} failed: {exc}", file=sys.stderr)
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def _render(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 4 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def table(run: Run) -> str:
+    """One row per (hosts, rate, size, library)."""
+    s = run.settings
+    headers = ["hosts", "link", "size", "lib", "ms/op", "busbw GB/s", "busbw Gbit/s", "of link"]
+    rows = []
+    for hosts in s.hosts:
+        for rate in s.rates:
+            for nbytes in s.sizes:
+                for lib in (lib for lib in LIBS if lib in s.libs and lib not in run.skipped):
+                    rows.append(_row(run, hosts, rate, nbytes, lib))
+    return "\n".join(_render(headers, rows))
+
+
+def _row(run: Run, hosts: int, rate: str, nbytes: int, lib: str) -> list[str]:
+    head = [str(hosts), rate, allreduce.format_size(nbytes), lib]
+    found = [
+        r for r in run.results if (r.hosts, r.rate, r.bytes, r.lib) == (hosts, rate, nbytes, lib)
+    ]
+    if not found:
+        failed = any((f["lib"], f["hosts"], f["rate"]) == (lib, hosts, rate) for f in run.failures)
+        return head + ["fail" if failed else "-"] * 4
+    r = found[0]
+    return head + [
+        f"{r.latency_us / 1e3:.1f}",
+        f"{r.busbw_gbps:.3f}",
+        f"{r.busbw_gbps * 8:.3f}",
+        f"{r.link_share:.1%}",
+    ]
+
+
+def report(run: Run, machine: dict[str, Any]) -> str:
+    s = run.settings
+    lines = [_machine_line(machine)]
+    lines += [f"skipped {lib}: {why}" for lib, why in run.skipped.items()]
+    lines += [f"FAILED {f['lib']} K={f['hosts']} {f['rate']}: {f['error']}" for f in run.failures]
+    lines.append(
+        f"settings: min-time {s.min_time} s per point, {s.repeats} repeats (median), warm-up up "
+        f"to {s.warmup}{', quick' if s.quick else ''}; links: tbf both ways, MTU 1500"
+    )
+    for check in run.tcp:
+        lines.append(
+            f"link check K={check['hosts']} {check['rate']}: one TCP stream h0 -> h1 for "
+            f"{check['send_s']:g} s: {check['bits_per_s'] / 1e9:.3f} Gbit/s = "
+            f"{check['share']:.1%} of the rate"
+        )
+    lines += [
+        "",
+        "allreduce of float32 (sum, in place), one rank per emulated host; ms/op = median time;"
+        " busbw = bytes*2(K-1)/K/time; of link = busbw / link rate",
+        table(run),
+    ]
+    return "\n".join(lines)
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    parts = [
+        f"{machine.get('cores')} cores ({machine.get('cpu') or '?'})",
+        f"Linux {platform.release()}",
+        f"Python {machine.get('python')}",
+        f"torch {machine.get('torch') or 'not installed'}",
+        f"mpi4py {machine.get('mpi4py') or 'not installed'}",
+        machine.get("open_mpi") or "Open MPI not found",
+        f"asyncreduce {machine.get('asyncreduce')}",
+    ]
+    return "machine: " + "; ".join(parts)
+
+
+def write_json(
+    path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
+) -> None:
+    document = {
+        "benchmark": "links",
+        "command": {"line": shlex.join(["asyncreduce", "bench", "links", *argv]), "argv": argv},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 2),
+        "machine": machine,
+        "links": {"shaping": "tc tbf on both ends of each host's veth", "mtu": 1500},
+        "settings": asdict(run.settings),
+        "tcp_checks": run.tcp,
+        "skipped": run.skipped,
+        "failures": run.failures,
+        "set_seconds": run.set_seconds,
+        "results": [asdict(r) for r in run.results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def plot(path: Path, run: Run) -> None:
+    """Grouped bars: share of the link per (hosts, rate, size), one bar per library."""
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+    s = run.settings
+    groups = [(k, r, b) for k in s.hosts for r in s.rates for b in s.sizes]
+    libs = [lib for lib in LIBS if any(res.lib == lib for res in run.results)]
+    width = 0.8 / max(1, len(libs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
+    for n, lib in enumerate(libs):
+        shares = []
+        for k, r, b in groups:
+            found = [x for x in run.results if (x.lib, x.hosts, x.rate, x.bytes) == (lib, k, r, b)]
+            shares.append(100 * found[0].link_share if found else 0.0)
+        xs = [g + (n - (len(libs) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, shares, width, label=lib)
+    tcp = {(c["hosts"], c["rate"]): 100 * c["share"] for c in run.tcp}
+    for g, (k, r, _) in enumerate(groups):
+        if (k, r) in tcp:
+            label = "one TCP stream" if g == 0 else None
+            ax.hlines(tcp[(k, r)], g - 0.45, g + 0.45, colors="k", linestyles="dashed", label=label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"K={k}\n{r}\n{allreduce.format_size(b)}" for k, r, b in groups])
+    ax.set_ylabel("allreduce bus bandwidth, % of link rate")
+    ax.set_ylim(0, 120)
+    ax.set_title("allreduce across emulated hosts (tbf-shaped veth links)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper center", ncol=len(libs) + 1, fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parent_main(
+    settings: Settings, json_path: Path | None, plot_path: Path | None, argv: Sequence[str]
+) -> int:
+    started = time.monotonic()
+    run = Run(settings)
+    for lib in settings.libs:
+        why = _unavailable(lib)
+        if why:
+            run.skipped[lib] = why
+            print(f"{_SAY}skipping {lib}: {why}", file=sys.stderr)
+    libs = [lib for lib in settings.libs if lib not in run.skipped]
+    interrupted = False
+    try:
+        for hosts in settings.hosts:
+            for rate in settings.rates:
+                _run_cluster(hosts, rate, libs, settings, run)
+    except KeyboardInterrupt:  # the cluster is already torn down; report what we have
+        interrupted = True
+        print(f"{_SAY}interrupted; partial results follow", file=sys.stderr)
+    elapsed = time.monotonic() - started
+    machine = allreduce.machine_info()
+    print(report(run, machine))
+    print(f"\n(total {elapsed:.1f} s)")
+    if json_path is not None:
+        write_json(json_path, run, machine, argv, elapsed)
+        print(f"wrote {json_path}")
+    if plot_path is not None and run.results:
+        plot(plot_path, run)
+        print(f"wrote {plot_path}")
+    if interrupted:
+        return 130
+    return 1 if run.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

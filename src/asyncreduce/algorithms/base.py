@@ -31,7 +31,7 @@ __all__ = ["Send", "Collective", "ProtocolError", "split", "segments", "SEGMENT_
 
 #: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
 #: reducing overlap, large enough that per-message overhead stays small.
-SEGMENT_BYTES = 1 << 20
+SEGMENT_BYTES = 2 << 20
 
 Array = NDArray[np.generic]
 

@@ -227,3 +227,24 @@ def test_arena_files_are_private_and_refuse_impostors(tmp_path: object) -> None:
     finally:
         os.unlink(path)
         arena.close()
+
+
+def test_arena_never_deadlocks_on_the_skipped_tail() -> None:
+    """The transport's protocol (write while room; reader consumes in order and credits in
+    batches) never leaves a writer waiting with nothing left for the reader to consume."""
+    size = 1 << 16
+    path, writer = create_arena(size)
+    reader = open_arena(path, size)
+    os.unlink(path)
+    sizes = np.random.default_rng(0).integers(1, writer.window // 2 + 1, 3000)
+    in_flight: list[int] = []
+    for n in map(int, sizes):
+        while not writer.write(memoryview(bytes(n))):
+            assert in_flight, f"deadlock: writer waits at {writer.position}, reader has nothing"
+            reader.read(in_flight.pop(0))
+            if reader.credit_due():
+                reader.credited = reader.position
+                writer.credit(reader.position)
+        in_flight.append(n)
+    writer.close()
+    reader.close()

@@ -86,6 +86,7 @@ class Operation:
     timeout: float | None = None
     unsent: int = 0
     deadline: float = field(default=0.0, init=False)
+    age: int = field(default=0, init=False)  # start order here: older operations' frames first
 
 
 class _Spares:
@@ -246,6 +247,7 @@ class Engine(FrameSink):
             self._fail(op, _same_error(earlier, str(earlier)))
             return
         self._ops[op.key] = op
+        op.age = next(self._order)
         if op.timeout is not None:
             op.deadline = time.monotonic() + op.timeout
             heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))
@@ -278,7 +280,7 @@ class Engine(FrameSink):
         payload = _bytes_of(s.payload)
         head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
         op.unsent += 1
-        self.transport.send(s.dst, head, payload, op.priority, op)
+        self.transport.send(s.dst, head, payload, op.priority, op, op.age)
 
     def _maybe_complete(self, op: Operation) -> None:
         if op.unsent or not op.algo.done or self._ops.get(op.key) is not op:

@@ -43,9 +43,16 @@ class Transport(ABC):
 
     @abstractmethod
     def send(
-        self, peer: int, head: bytes, payload: memoryview, priority: int, token: object
+        self,
+        peer: int,
+        head: bytes,
+        payload: memoryview,
+        priority: int,
+        token: object,
+        age: int = 0,
     ) -> None:
-        """Queue one frame (``head`` = header and name bytes) for ``peer``; never blocks."""
+        """Queue one frame (``head`` = header and name bytes) for ``peer``; never blocks.
+        Frames leave by priority (highest first), then age (lowest first), then in order."""
 
     @abstractmethod
     def poll(self, timeout: float | None) -> None:

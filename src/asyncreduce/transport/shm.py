@@ -11,10 +11,11 @@ The arena is a ring used strictly in order. A payload goes at the writer's curso
 offset 0 if it would cross the end (the tail is skipped); writer and reader apply the same
 rule, so no offset travels. The reader consumes payloads in the order their headers arrive
 (TCP keeps that order), then returns the space with a CREDIT frame carrying its cumulative
-position, once a quarter of the window is free to return. The writer keeps at most a window
-(half the arena) uncredited, so a more urgent frame never queues behind much bulk data, and a
-payload is at most half the window, so the writer always gets space back before it could
-wait forever. The writer never
+position, once a quarter of the window is free to return. The writer starts a payload only
+while at most a window (half the arena) is uncredited, so a more urgent frame never queues
+behind much bulk data; a payload is at most half the window, so even with the skipped tail it
+fits in the other half. A writer that waits has more than a window outstanding, so the
+reader always has a credit to send: nobody waits forever. The writer never
 overwrites bytes the reader has not credited, so the data is stable while the reader copies
 it out or reduces straight from it.
 """
@@ -77,7 +78,8 @@ class Arena:
     def write(self, payload: memoryview) -> bool:
         """Copy ``payload`` in at the next place; False (nothing written) if no room yet."""
         offset, advance = self._place(payload.nbytes)
-        if self.position + advance - self.credited > self.window:
+        uncredited = self.position - self.credited
+        if uncredited > self.window or uncredited + advance > self.size:
             return False
         copy_bytes(self.view[offset : offset + payload.nbytes], payload)
         self.position += advance

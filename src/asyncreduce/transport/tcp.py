@@ -6,8 +6,10 @@ higher one. Each connection opens with a HELLO (magic, version, rank, world size
 that the acceptor checks and echoes; anything else is dropped.
 
 ``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
-queues the rest; a peer's queue is a heap on (-priority, order), so a frame of a more urgent
-operation overtakes queued ones at frame granularity. Headers and payloads leave together in
+queues the rest; a peer's queue is a heap on (-priority, age, order): a frame of a more urgent
+operation overtakes queued ones at frame granularity, and among equals the older operation's
+frames go first, so operations in flight together finish one after another, as early as
+each can, instead of all at the end. Headers and payloads leave together in
 one ``sendmsg``, several small frames at a time. Receiving reads headers through a small
 staging buffer (several small frames per ``recv``); once a header is checked, the payload is
 received straight into the buffer the sink names, usually its final place. EOF, a reset, or
@@ -60,7 +62,7 @@ _BATCH_BYTES = 1 << 20  # small frames are batched up to this size
 class _Out:
     """One queued frame; ``sent`` bytes of head+payload have left already."""
 
-    rank: tuple[int, int]
+    rank: tuple[int, int, int]  # (-priority, age, order): the heap's order
     head: bytes = field(compare=False)
     payload: memoryview = field(compare=False)
     token: object = field(compare=False)
@@ -131,12 +133,19 @@ class TcpTransport(Transport):
     # ---- sending -------------------------------------------------------------------------
 
     def send(
-        self, peer: int, head: bytes, payload: memoryview, priority: int, token: object
+        self,
+        peer: int,
+        head: bytes,
+        payload: memoryview,
+        priority: int,
+        token: object,
+        age: int = 0,
     ) -> None:
         target = self._peers.get(peer)
         if target is None:
             raise KeyError(f"rank {peer} is not connected")
-        heapq.heappush(target.queue, _Out((-priority, next(self._order)), head, payload, token))
+        out = _Out((-priority, age, next(self._order)), head, payload, token)
+        heapq.heappush(target.queue, out)
         if not target.inflight:
             self._flush(target)
 
@@ -217,7 +226,7 @@ class TcpTransport(Transport):
         self._leaving = True
         head = pack_header(GOODBYE, b"", 0, 0, 0, len(reason), Descriptor(0, 0, 0, 0, 0))
         for peer in list(self._peers.values()):
-            out = _Out((-(1 << 62), next(self._order)), head, memoryview(reason), None)
+            out = _Out((-(1 << 62), 0, next(self._order)), head, memoryview(reason), None)
             heapq.heappush(peer.queue, out)
             peer.half_close = True
             if not peer.inflight:

@@ -57,6 +57,9 @@ class Sink:
         self.lost.append((peer, error))
 
 
+KINDS = ["tcp", "tcp+shm"]  # every conformance test runs on both data planes
+
+
 def pair() -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
     a, b = socket.socketpair()
     sa, sb = Sink(), Sink()
@@ -75,8 +78,9 @@ def frame(name: bytes, payload: bytes, step: int = 0) -> tuple[bytes, memoryview
     return pack_header(DATA, name, 0, step, 0, len(payload), DESC), memoryview(payload)
 
 
-def test_frames_arrive_in_order_with_zero_length_and_large_payloads() -> None:
-    ta, sa, tb, sb = pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_frames_arrive_in_order_with_zero_length_and_large_payloads(kind: str) -> None:
+    ta, sa, tb, sb = PAIRS[kind]()
     big = os.urandom(8 << 20)
     payloads = [b"", b"x", big, b"", os.urandom(100_000)] + [bytes([i]) * i for i in range(50)]
     for i, p in enumerate(payloads):
@@ -91,8 +95,9 @@ def test_frames_arrive_in_order_with_zero_length_and_large_payloads() -> None:
     tb.close()
 
 
-def test_payload_lands_in_the_buffer_the_sink_names() -> None:
-    ta, _, tb, sb = pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_payload_lands_in_the_buffer_the_sink_names(kind: str) -> None:
+    ta, _, tb, sb = PAIRS[kind]()
     target = bytearray(1 << 20)
     sb.direct[b"direct"] = target
     data = np.arange(1 << 18, dtype=np.float32).tobytes()
@@ -103,8 +108,9 @@ def test_payload_lands_in_the_buffer_the_sink_names() -> None:
     tb.close()
 
 
-def test_higher_priority_frames_overtake_queued_ones() -> None:
-    ta, _, tb, sb = pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_higher_priority_frames_overtake_queued_ones(kind: str) -> None:
+    ta, _, tb, sb = PAIRS[kind]()
     filler = b"\0" * (16 << 20)  # fills the socket, so the rest must queue
     ta.send(1, *frame(b"bulk", filler), 0, "bulk")
     for i in range(5):
@@ -117,8 +123,9 @@ def test_higher_priority_frames_overtake_queued_ones() -> None:
     tb.close()
 
 
-def test_goodbye_then_close_is_not_a_failure() -> None:
-    ta, sa, tb, sb = pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_goodbye_then_close_is_not_a_failure(kind: str) -> None:
+    ta, sa, tb, sb = PAIRS[kind]()
     ta.send_goodbye(b"rank 0 is done")
     pump(ta, tb, until=lambda: sb.frames)
     assert sb.frames[0][2] == b"rank 0 is done"
@@ -129,8 +136,9 @@ def test_goodbye_then_close_is_not_a_failure() -> None:
     tb.close()
 
 
-def test_a_vanished_peer_is_reported_once() -> None:
-    ta, sa, tb, sb = pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_vanished_peer_is_reported_once(kind: str) -> None:
+    ta, sa, tb, sb = PAIRS[kind]()
     ta.send(1, *frame(b"x", b"a" * 1000), 0, None)
     pump(ta, tb, until=lambda: sb.frames)
     ta.close()  # no goodbye: as if the process died
@@ -189,6 +197,9 @@ def shm_pair(size: int = 1 << 20) -> tuple[TcpTransport, Sink, TcpTransport, Sin
     ta = TcpTransport(0, {1: a}, sa, {1: (out_ab, in_ba)})
     tb = TcpTransport(1, {0: b}, sb, {0: (out_ba, in_ab)})
     return ta, sa, tb, sb
+
+
+PAIRS = {"tcp": pair, "tcp+shm": lambda: shm_pair(8 << 20)}
 
 
 def test_large_payloads_go_through_shared_memory_in_order_and_wrap_around() -> None:

@@ -1,0 +1,356 @@
+"""Data-parallel training that overlaps gradient allreduce with computation.
+
+Theory of operation. Parameters are grouped into buckets: one per layer (a module that owns
+parameters directly) in ``forward`` mode, or runs of parameters in reverse registration order
+up to ``bucket_bytes`` otherwise (the order in which backward produces them). Each bucket has a
+flat buffer holding its gradients followed by one "used" flag per parameter.
+
+* A post-accumulate-grad hook marks a parameter ready once its gradient is complete (after
+  every use, so a parameter used many times, as in an LSTM or tied weights, is sent once).
+  When every parameter of a bucket is ready, its buffer is filled and ``iallreduce``-d (sum,
+  named after the bucket, so ranks may finish buckets in any order).
+* ``step()`` posts the buckets whose hooks did not all fire (parameters this rank did not use
+  send zeros with flag 0), so every rank posts the same operations without a graph walk.
+  After the sum, a parameter whose flags add to 0 was unused on every rank: its grad stays
+  None and the optimizer leaves it alone, as in single-process training; otherwise its grad is
+  the sum divided by the world size (ranks that did not use it contributed zeros).
+* What ``step()`` then does is the mode: ``blocking`` posts everything only now and waits;
+  ``backward`` waits for what backward already posted (the DDP way); ``forward`` waits for
+  nothing: each layer's bucket is waited for, unpacked and stepped by its own optimizer just
+  before that layer's next forward (a forward pre-hook), so communication overlaps the rest of
+  backward and the next forward; ``double_buffer`` applies the previous step's gradients (one
+  step stale) while this step's travel. ``synchronize()`` applies whatever is pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..errors import MismatchError, UsageError
+from ..request import Request
+
+__all__ = ["DataParallel", "MODES"]
+
+MODES = ("blocking", "backward", "forward", "double_buffer")
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_NEEDS_ALL_GRADIENTS = (torch.optim.LBFGS,)  # re-evaluates the whole model in step()
+_MAX_DIMS = 8
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters whose gradients travel together, and where their allreduce stands."""
+
+    name: str
+    params: list[nn.Parameter]
+    priority: int
+    buffers: list[torch.Tensor]  # two in double_buffer mode, else one
+    module: nn.Module | None = None  # forward mode: the layer that owns the parameters
+    optimizer: torch.optim.Optimizer | None = None  # forward mode: its own optimizer
+    ready: set[int] = field(default_factory=set)
+    posted: list[tuple[Request[Any], torch.Tensor]] = field(default_factory=list)  # oldest first
+    posted_in: int = -1  # the last generation (step) this bucket was posted in
+
+    def flat(self, generation: int) -> torch.Tensor:
+        return self.buffers[generation % len(self.buffers)]
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``comm`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        optimizer: OptimizerFactory,
+        mode: str = "forward",
+        bucket_bytes: int = 4 << 20,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise UsageError(f"mode={mode!r} is not one of {', '.join(MODES)}")
+        if not callable(optimizer):
+            raise UsageError(
+                "optimizer must be a factory: lambda params: torch.optim.SGD(params, ...)"
+            )
+        self.module = module
+        self.mode = mode
+        self._comm = comm
+        self._sync = True
+        self._generation = 0
+        self._exposed = 0.0
+        self._comm_time = 0.0
+        params = [p for p in module.parameters() if p.requires_grad]
+        _check_same_everywhere(comm, module)
+        _broadcast_from_rank0(comm, params)
+        self._buckets = self._make_buckets(params, bucket_bytes)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._optimizer = self._make_optimizers(optimizer, params)
+        self._hooks = self._install_hooks(params)
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+        groups = (
+            _layer_groups(self.module)
+            if self.mode == "forward"
+            else _size_groups(params, bucket_bytes)
+        )
+        copies = 2 if self.mode == "double_buffer" else 1
+        buckets = []
+        for i, (module, group) in enumerate(groups):
+            size = sum(p.numel() for p in group) + len(group)
+            buffers = [torch.zeros(size, dtype=group[0].dtype) for _ in range(copies)]
+            priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
+            buckets.append(_Bucket(f"asyncreduce.dp.bucket{i}", group, priority, buffers, module))
+        return buckets
+
+    def _make_optimizers(
+        self, factory: OptimizerFactory, params: list[nn.Parameter]
+    ) -> torch.optim.Optimizer | None:
+        if self.mode != "forward":
+            return _checked(factory(params), "")
+        for bucket in self._buckets:
+            bucket.optimizer = _checked(factory(bucket.params), bucket.name)
+            if isinstance(bucket.optimizer, _NEEDS_ALL_GRADIENTS):
+                raise UsageError(
+                    f"{type(bucket.optimizer).__name__} needs all gradients at once, so it cannot "
+                    "step layer by layer in mode='forward'; use mode='backward'"
+                )
+        return None
+
+    def _install_hooks(self, params: list[nn.Parameter]) -> list[Any]:
+        hooks: list[Any] = []
+        if self.mode != "blocking":
+            ready = self._on_grad_ready
+            hooks += [p.register_post_accumulate_grad_hook(ready) for p in params]  # type: ignore[no-untyped-call]
+        if self.mode == "forward":
+            for bucket in self._buckets:
+                assert bucket.module is not None
+                hook = bucket.module.register_forward_pre_hook(
+                    lambda m, a, b=bucket: self._apply_pending(b)
+                )
+                hooks.append(hook)
+        return hooks
+
+    # ---- the training loop ---------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def step(self) -> None:
+        """Post what backward did not; then wait and step as the mode says; clear gradients."""
+        if self.mode == "blocking" or self.mode == "backward":
+            for bucket in self._buckets:
+                self._post(bucket)
+            for bucket in self._buckets:
+                self._unpack(bucket)
+            assert self._optimizer is not None
+            self._optimizer.step()
+            self._clear(p for b in self._buckets for p in b.params)
+        elif self.mode == "forward":
+            for bucket in self._buckets:
+                self._post(bucket)
+            self._clear(p for b in self._buckets for p in b.params)  # kept in the buckets
+        else:
+            self._step_double_buffer()
+        self._generation += 1
+
+    def _step_double_buffer(self) -> None:
+        for bucket in self._buckets:
+            self._post(bucket)
+        self._clear(p for b in self._buckets for p in b.params)
+        if self._generation > 0:
+            self._apply_previous()
+
+    def _apply_previous(self) -> None:
+        for bucket in self._buckets:
+            self._unpack(bucket, oldest=True)
+        assert self._optimizer is not None
+        self._optimizer.step()
+        self._clear(p for b in self._buckets for p in b.params)
+
+    def synchronize(self) -> None:
+        """Apply every pending gradient: parameters are final (checkpoint, evaluation, end)."""
+        if self.mode == "forward":
+            for bucket in self._buckets:
+                self._apply_pending(bucket)
+        elif self.mode == "double_buffer" and any(b.posted for b in self._buckets):
+            self._apply_previous()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside sends the accumulated sum."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def stats(self) -> dict[str, float]:
+        """Seconds the training thread waited on communication (exposed) vs spent in it (comm)."""
+        hidden = 1.0 - self._exposed / self._comm_time if self._comm_time else 0.0
+        return {
+            "exposed_s": self._exposed,
+            "comm_s": self._comm_time,
+            "hidden_share": max(0.0, hidden),
+        }
+
+    # ---- buckets ---------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params) and self.mode != "blocking":
+            self._post(bucket)
+
+    def _post(self, bucket: _Bucket) -> None:
+        """Fill the bucket's buffer from the gradients (zeros, flag 0, where None) and send it."""
+        if bucket.posted_in == self._generation:
+            return  # already posted this step
+        if self.mode == "forward" and bucket.posted:
+            self._apply_pending(
+                bucket
+            )  # its layer was not run since: update it before reusing the buffer
+        flat = bucket.flat(self._generation)
+        offset, flags = 0, flat.numel() - len(bucket.params)
+        with torch.no_grad():
+            for i, p in enumerate(bucket.params):
+                piece = flat[offset : offset + p.numel()]
+                if p.grad is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(p.grad.reshape(-1))
+                flat[flags + i] = 0.0 if p.grad is None else 1.0
+                offset += p.numel()
+        posted_at = time.perf_counter()
+        request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
+        bucket.posted.append((request, flat))
+        bucket.posted_in = self._generation
+        bucket.ready.clear()
+
+        def count(_: object) -> None:
+            self._comm_time += time.perf_counter() - posted_at
+
+        request.add_done_callback(count)
+
+    def _unpack(self, bucket: _Bucket, oldest: bool = False) -> None:
+        """Wait for the bucket's allreduce and set each parameter's averaged gradient."""
+        if not bucket.posted:
+            return
+        request, flat = bucket.posted.pop(0 if oldest else -1)
+        started = time.perf_counter()
+        request.wait()
+        self._exposed += time.perf_counter() - started
+        world = self._comm.world_size
+        offset, flags = 0, flat.numel() - len(bucket.params)
+        with torch.no_grad():
+            for i, p in enumerate(bucket.params):
+                if flat[flags + i].item() == 0.0:
+                    p.grad = None  # unused on every rank: as in single-process training
+                else:
+                    p.grad = (flat[offset : offset + p.numel()] / world).view_as(p).clone()
+                offset += p.numel()
+
+    def _apply_pending(self, bucket: _Bucket) -> None:
+        """forward mode: this layer is about to run; apply its pending update first."""
+        if not bucket.posted or not self._sync and not bucket.posted:
+            return
+        self._unpack(bucket)
+        assert bucket.optimizer is not None
+        bucket.optimizer.step()
+        self._clear(bucket.params)
+
+    @staticmethod
+    def _clear(params: Iterator[nn.Parameter] | list[nn.Parameter] | Any) -> None:
+        for p in params:
+            p.grad = None
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _checked(optimizer: Any, where: str) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"the optimizer factory returned {type(optimizer).__name__}, "
+            "not a torch.optim.Optimizer"
+        )
+    return optimizer
+
+
+def _layer_groups(module: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+    """One group per module that owns trainable parameters directly, in registration order."""
+    groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in own:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        groups += [(sub, ps) for ps in by_dtype.values()]
+    return groups
+
+
+def _size_groups(
+    params: list[nn.Parameter], limit: int
+) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+    """Runs of parameters in reverse registration order, up to ``limit`` bytes, one dtype each."""
+    groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > limit or p.dtype != current[0].dtype):
+            groups.append((None, current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        groups.append((None, current))
+    return groups
+
+
+def _check_same_everywhere(comm: Communicator, module: nn.Module) -> None:
+    """Every rank must wrap the same architecture: compare parameter names' shapes."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    count = comm.allgather(np.array([len(named)], np.int64))
+    if len(set(count.reshape(-1).tolist())) != 1:
+        raise MismatchError(
+            f"ranks wrap modules with different numbers of parameters: {count.reshape(-1).tolist()}"
+        )
+    table = np.full((len(named), _MAX_DIMS + 1), -1, np.int64)
+    for i, (_, p) in enumerate(named):
+        table[i, 0] = p.dim()
+        table[i, 1 : 1 + min(p.dim(), _MAX_DIMS)] = list(p.shape)[:_MAX_DIMS]
+    everyone = comm.allgather(table)
+    for i, (name, p) in enumerate(named):
+        for rank, theirs in enumerate(everyone):
+            if not np.array_equal(theirs[i], table[i]):
+                shape = tuple(int(d) for d in theirs[i, 1 : 1 + theirs[i, 0]])
+                raise MismatchError(
+                    f"parameter {name!r} has shape {tuple(p.shape)} on rank {comm.rank} but "
+                    f"{shape} on rank {rank}: every rank must wrap the same model"
+                )
+
+
+def _broadcast_from_rank0(comm: Communicator, params: list[nn.Parameter]) -> None:
+    with torch.no_grad():
+        requests = [
+            comm.ibroadcast(p.data, root=0, name=f"asyncreduce.dp.init{i}")
+            for i, p in enumerate(params)
+        ]
+        for r in requests:
+            r.wait()

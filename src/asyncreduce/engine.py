@@ -292,6 +292,7 @@ class Engine(FrameSink):
         except Exception as exc:
             op.request.set_exception(exc)
             return
+        op.request.completed_at = time.perf_counter()
         op.request.set_result(value)
 
     def _fail(self, op: Operation, error: BaseException) -> None:

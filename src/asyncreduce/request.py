@@ -76,6 +76,8 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     def __init__(self, label: str, runner: CallbackRunner) -> None:
         super().__init__()
         self.label = label
+        self.posted_at = time.perf_counter()
+        self.completed_at: float | None = None  # set by the engine, for timelines and stats
         self._runner = runner
         self.set_running_or_notify_cancel()
 

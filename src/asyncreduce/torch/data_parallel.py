@@ -88,7 +88,7 @@ class DataParallel(nn.Module):
         self._sync = True
         self._generation = 0
         self._exposed = 0.0
-        self._comm_time = 0.0
+        self._busy = _BusyClock()
         params = [p for p in module.parameters() if p.requires_grad]
         _check_same_everywhere(comm, module)
         _broadcast_from_rank0(comm, params)
@@ -198,11 +198,12 @@ class DataParallel(nn.Module):
 
     def stats(self) -> dict[str, float]:
         """Seconds the training thread waited on communication (exposed) vs spent in it (comm)."""
-        hidden = 1.0 - self._exposed / self._comm_time if self._comm_time else 0.0
+        comm = self._busy.total
+        hidden = 1.0 - self._exposed / comm if comm else 0.0
         return {
             "exposed_s": self._exposed,
-            "comm_s": self._comm_time,
-            "hidden_share": max(0.0, hidden),
+            "comm_s": comm,
+            "hidden_share": min(1.0, max(0.0, hidden)),
         }
 
     # ---- buckets ---------------------------------------------------------------------------------
@@ -234,16 +235,10 @@ class DataParallel(nn.Module):
                     piece.copy_(p.grad.reshape(-1))
                 flat[flags + i] = 0.0 if p.grad is None else 1.0
                 offset += p.numel()
-        posted_at = time.perf_counter()
         request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
         bucket.posted.append((request, flat))
         bucket.posted_in = self._generation
         bucket.ready.clear()
-
-        def count(_: object) -> None:
-            self._comm_time += time.perf_counter() - posted_at
-
-        request.add_done_callback(count)
 
     def _unpack(self, bucket: _Bucket, oldest: bool = False) -> None:
         """Wait for the bucket's allreduce and set each parameter's averaged gradient."""
@@ -253,6 +248,7 @@ class DataParallel(nn.Module):
         started = time.perf_counter()
         request.wait()
         self._exposed += time.perf_counter() - started
+        self._busy.add(request)
         world = self._comm.world_size
         offset, flags = 0, flat.numel() - len(bucket.params)
         with torch.no_grad():
@@ -279,6 +275,26 @@ class DataParallel(nn.Module):
 
 
 # ---- helpers -----------------------------------------------------------------------------
+
+
+class _BusyClock:
+    """Wall time during which at least one allreduce was in flight (overlaps counted once)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float]] = []
+
+    def add(self, request: Request[Any]) -> None:
+        end = request.completed_at or time.perf_counter()
+        self._spans.append((request.posted_at, end))
+
+    @property
+    def total(self) -> float:
+        total, reach = 0.0, float("-inf")
+        for start, end in sorted(self._spans):
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total
 
 
 def _checked(optimizer: Any, where: str) -> torch.optim.Optimizer:

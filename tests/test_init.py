@@ -34,6 +34,28 @@ def test_the_main_job_runs_under_the_launcher() -> None:
     assert sorted(line[:3] for line in lines) == ["[0]", "[1]", "[2]"], out.stdout + out.stderr
 
 
+def test_the_training_demo_runs_every_mode_and_ends_identical() -> None:
+    pytest.importorskip("torch")
+    demo = str(ROOT / "examples/train_demo.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncreduce",
+        "run",
+        "-n",
+        "2",
+        demo,
+        "--seconds",
+        "0.5",
+        "--width",
+        "64",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=True)
+    rows = [line for line in out.stdout.splitlines() if "identical on every rank" in line]
+    modes = [row.split()[1] for row in rows]
+    assert modes == ["blocking", "backward", "forward", "double_buffer"], out.stdout + out.stderr
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")
 def test_init_under_mpirun_needs_no_master_address(tmp_path: Path) -> None:
     script = tmp_path / "job.py"

@@ -235,7 +235,8 @@ def _mpirun_default(addr: str | None, port: int | None) -> tuple[str | None, int
     job = os.environ.get("OMPI_MCA_ess_base_jobid", "")  # noqa: SIM112 (Open MPI's spelling)
     if size is None or size != local_size or not job.isdigit():
         return addr, port
-    return addr or "127.0.0.1", port if port is not None else 20000 + int(job) % 20000
+    # below Linux's ephemeral range (32768 and up), where no connection of ours can hold it
+    return addr or "127.0.0.1", port if port is not None else 12000 + int(job) % 20000
 
 
 def _local_address(master_addr: str) -> str:

@@ -18,6 +18,7 @@ from torch import nn
 
 import asyncreduce as ar
 import asyncreduce.torch as art
+from asyncreduce.trace import Timeline
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -29,8 +30,9 @@ def make_model(width: int, depth: int) -> nn.Module:
 
 
 def train(comm: ar.Communicator, mode: str, args: argparse.Namespace) -> tuple[float, float, str]:
+    timeline = Timeline(comm.rank)
     model = art.DataParallel(
-        make_model(args.width, args.depth), comm, mode=mode,
+        make_model(args.width, args.depth), comm, mode=mode, timeline=timeline,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     )  # fmt: skip
     gen = torch.Generator().manual_seed(comm.rank)
@@ -47,6 +49,7 @@ def train(comm: ar.Communicator, mode: str, args: argparse.Namespace) -> tuple[f
             break
     model.synchronize()
     elapsed = time.perf_counter() - start
+    timeline.write(f"{args.trace}/{mode}-rank{comm.rank}.json")
     flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:12]
     return steps / elapsed, model.stats()["hidden_share"], digest
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--trace", default="results/trace", help="folder for the timelines")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with ar.init() as comm:
@@ -77,6 +81,10 @@ def main() -> None:
             base = base or rate
             if comm.rank == 0:
                 print(f"{mode:<14}{rate:>9.1f}{rate / base:>12.2f}x{hidden:>8.0%}  {same}")
+        if comm.rank == 0:
+            print(
+                f"timelines: {args.trace}/MODE-rankN.json (Chrome trace: open in ui.perfetto.dev)"
+            )
 
 
 if __name__ == "__main__":

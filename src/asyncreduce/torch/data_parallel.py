@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 from ..comm import Communicator
 from ..errors import MismatchError, UsageError
 from ..request import Request
+from ..trace import Timeline
 
 __all__ = ["DataParallel", "MODES"]
 
@@ -74,7 +76,10 @@ class DataParallel(nn.Module):
         optimizer: OptimizerFactory,
         mode: str = "forward",
         bucket_bytes: int = 4 << 20,
+        timeline: Timeline | None = None,
     ) -> None:
+        """``timeline``: record forward, backward, every allreduce and every wait into it
+        (``timeline.write(path)`` gives Chrome trace JSON that Perfetto opens)."""
         super().__init__()
         if mode not in MODES:
             raise UsageError(f"mode={mode!r} is not one of {', '.join(MODES)}")
@@ -88,8 +93,11 @@ class DataParallel(nn.Module):
         self._sync = True
         self._generation = 0
         self._exposed = 0.0
+        self.timeline = timeline
+        self._forward_end = 0.0
         self._busy = _BusyClock()
         params = [p for p in module.parameters() if p.requires_grad]
+        self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         _check_same_everywhere(comm, module)
         _broadcast_from_rank0(comm, params)
         self._buckets = self._make_buckets(params, bucket_bytes)
@@ -111,7 +119,7 @@ class DataParallel(nn.Module):
             size = sum(p.numel() for p in group) + len(group)
             buffers = [torch.zeros(size, dtype=group[0].dtype) for _ in range(copies)]
             priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
-            buckets.append(_Bucket(f"asyncreduce.dp.bucket{i}", group, priority, buffers, module))
+            buckets.append(_Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module))
         return buckets
 
     def _make_optimizers(
@@ -145,10 +153,23 @@ class DataParallel(nn.Module):
     # ---- the training loop ---------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._forward_end = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.add("forward", "train", start, self._forward_end)
+        return out
 
     def step(self) -> None:
         """Post what backward did not; then wait and step as the mode says; clear gradients."""
+        if self.timeline is not None and self._forward_end:
+            self.timeline.add("backward", "train", self._forward_end, time.perf_counter())
+        started = time.perf_counter()
+        self._step()
+        if self.timeline is not None:
+            self.timeline.add("step", "train", started, time.perf_counter())
+
+    def _step(self) -> None:
         if self.mode == "blocking" or self.mode == "backward":
             for bucket in self._buckets:
                 self._post(bucket)
@@ -247,8 +268,14 @@ class DataParallel(nn.Module):
         request, flat = bucket.posted.pop(0 if oldest else -1)
         started = time.perf_counter()
         request.wait()
-        self._exposed += time.perf_counter() - started
+        ended = time.perf_counter()
+        self._exposed += ended - started
         self._busy.add(request)
+        if self.timeline is not None:
+            self.timeline.add(f"wait {bucket.name}", "train", started, ended)
+            self.timeline.add(
+                f"allreduce {bucket.name}", "comm", request.posted_at, request.completed_at or ended
+            )
         world = self._comm.world_size
         offset, flags = 0, flat.numel() - len(bucket.params)
         with torch.no_grad():
@@ -295,6 +322,16 @@ class _BusyClock:
                 total += end - max(start, reach)
                 reach = end
         return total
+
+
+_WRAPPERS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
+
+
+def _next_prefix(comm: Communicator) -> str:
+    """A name prefix per wrapper, so two models on one communicator never share bucket names."""
+    index = _WRAPPERS.get(comm, 0)
+    _WRAPPERS[comm] = index + 1
+    return f"asyncreduce.dp{index}"
 
 
 def _checked(optimizer: Any, where: str) -> torch.optim.Optimizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -34,26 +35,20 @@ def test_the_main_job_runs_under_the_launcher() -> None:
     assert sorted(line[:3] for line in lines) == ["[0]", "[1]", "[2]"], out.stdout + out.stderr
 
 
-def test_the_training_demo_runs_every_mode_and_ends_identical() -> None:
+def test_the_training_demo_runs_every_mode_and_ends_identical(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     demo = str(ROOT / "examples/train_demo.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "asyncreduce",
-        "run",
-        "-n",
-        "2",
-        demo,
-        "--seconds",
-        "0.5",
-        "--width",
-        "64",
-    ]
+    cmd = [sys.executable, "-m", "asyncreduce", "run", "-n", "2", demo, "--seconds", "0.5",
+           "--width", "64", "--trace", str(tmp_path)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=True)
     rows = [line for line in out.stdout.splitlines() if "identical on every rank" in line]
     modes = [row.split()[1] for row in rows]
     assert modes == ["blocking", "backward", "forward", "double_buffer"], out.stdout + out.stderr
+    trace = json.loads((tmp_path / "forward-rank1.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"].split()[0] for e in spans}
+    assert {"forward", "backward", "step", "wait", "allreduce"} <= names
+    assert all(e["dur"] >= 0 and e["pid"] == 1 for e in spans)
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")

@@ -43,32 +43,23 @@ Run it as ``asyncreduce bench allreduce [options]`` or ``python benchmarks/allre
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib
-import importlib.metadata
 import importlib.util
 import json
-import os
-import platform
-import queue
-import re
-import shlex
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, next to this file
+import common  # noqa: E402
+from common import DTYPE_BYTES, busbw_gbps, format_size, machine_info, parse_size  # noqa: E402
 
 __all__ = ["LIBS", "main", "parse_size", "format_size", "busbw_gbps"]
 
@@ -81,44 +72,12 @@ DEFAULT_WARMUP = 5
 QUICK_WARMUP = 2
 DEFAULT_REPEATS = 3
 MARK = "@allreduce-bench "
-DTYPE_BYTES = 4  # float32
 
 _SAY = "allreduce bench: "
-_GRACE_S = 2.0
-_STARTUP_ALLOWANCE_S = 90.0  # importing torch on a busy 2-core machine is slow
-_MPIRUN_ROOT = ("--allow-run-as-root", "--oversubscribe", "--bind-to", "none")
 _MPI_TCP = ("--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
 
 
 # ---- sizes and units ------------------------------------------------------------------------
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"4K"`` -> 4096, ``"1M"``/``"1MiB"`` -> 1048576, ``"512"`` -> 512 (bytes)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4K, 1M, 128M or bytes)")
-    nbytes = int(match.group(1)) * _UNITS[match.group(2)]
-    if nbytes < DTYPE_BYTES or nbytes % DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} must be a positive multiple of {DTYPE_BYTES} bytes (float32)"
-        )
-    return nbytes
-
-
-def format_size(nbytes: int) -> str:
-    """4096 -> ``"4 KiB"``; sizes that are not whole KiB/MiB stay in bytes."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def busbw_gbps(nbytes: int, nprocs: int, seconds: float) -> float:
-    """Bus bandwidth in GB/s: ``bytes * 2 (N-1) / N / time``."""
-    return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
 
 
 def _size_list(text: str) -> list[int]:
@@ -126,16 +85,6 @@ def _size_list(text: str) -> list[int]:
     if not sizes:
         raise argparse.ArgumentTypeError("no sizes given")
     return sorted(set(sizes))
-
-
-def _nprocs_list(text: str) -> list[int]:
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not values or values[0] < 2:
-        raise argparse.ArgumentTypeError(f"process counts must be at least 2, got {text!r}")
-    return values
 
 
 def _lib_list(text: str) -> list[str]:
@@ -147,26 +96,6 @@ def _lib_list(text: str) -> list[str]:
             f" choose from {','.join(LIBS)}"
         )
     return list(dict.fromkeys(libs))
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -188,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         f"with --quick {QUICK_SIZES})",
     )
     parser.add_argument(
-        "--nprocs", type=_nprocs_list, default=[2, 4], help="process counts (default 2,4)"
+        "--nprocs", type=common.nprocs_list, default=[2, 4], help="process counts (default 2,4)"
     )
     parser.add_argument(
         "--libs",
@@ -207,28 +136,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--min-time",
-        type=_positive_float,
+        type=common.positive_float,
         default=None,
         metavar="S",
         help=f"seconds of timed allreduces per point (default {DEFAULT_MIN_TIME})",
     )
     parser.add_argument(
         "--warmup",
-        type=_positive_int,
+        type=common.positive_int,
         default=None,
         metavar="N",
         help=f"untimed allreduces per point, at most (default {DEFAULT_WARMUP}; fewer when slow)",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=common.positive_int,
         default=DEFAULT_REPEATS,
         metavar="R",
         help=f"timed repeats per point, the median is reported (default {DEFAULT_REPEATS})",
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=common.positive_float,
         default=None,
         metavar="S",
         help="hard limit per (library, N) worker set (default: scaled to the sizes)",
@@ -426,28 +355,10 @@ def measure(
     }
 
 
-def _watchdog(parent_pid: int | None, deadline: float | None) -> None:
-    """Exit (code 3) once the benchmark or this process's own parent (mpirun) is gone, or the
-    deadline has passed: a worker must never outlive the run that started it."""
-    end = None if deadline is None else time.monotonic() + deadline
-    launcher = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if end is not None and time.monotonic() > end:
-                print(f"{_SAY}worker deadline of {deadline:.0f} s passed", file=sys.stderr)
-                os._exit(3)
-            if os.getppid() != launcher or (parent_pid is not None and not _alive(parent_pid)):
-                os._exit(3)
-
-    threading.Thread(target=watch, name="allreduce-bench-watchdog", daemon=True).start()
-
-
 def _worker_main(
     lib: str, settings: Settings, parent_pid: int | None, deadline: float | None
 ) -> int:
-    _watchdog(parent_pid, deadline)
+    common.watchdog(parent_pid, deadline, _SAY)
     started = time.perf_counter()
     backend = _BACKENDS[lib]()
 
@@ -505,43 +416,6 @@ class Run:
         return any((f["lib"], f["nprocs"]) == (lib, nprocs) for f in self.failures)
 
 
-class WorkerSetError(Exception):
-    """A worker set failed, timed out, or reported something unreadable."""
-
-
-class _NoProgress(WorkerSetError):
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"no progress for {seconds:.1f} s (hung?)")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _unavailable(lib: str) -> str | None:
-    """Why ``lib`` cannot run here, or None."""
-    if lib == "gloo" and importlib.util.find_spec("torch") is None:
-        return "torch is not installed (pip install 'asyncreduce[torch]')"
-    if lib in ("mpi", "mpi-tcp"):
-        if importlib.util.find_spec("mpi4py") is None:
-            return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
-        if shutil.which("mpirun") is None:
-            return "mpirun is not on PATH (install Open MPI)"
-    return None
-
-
 def _allowance(nbytes: int, nprocs: int, settings: Settings) -> float:
     """Seconds the parent waits for one size: generous, but bounded (a hang must end)."""
     ops = settings.warmup + settings.repeats + 2
@@ -549,287 +423,57 @@ def _allowance(nbytes: int, nprocs: int, settings: Settings) -> float:
     return 30.0 + 4 * settings.min_time + ops * nbytes * nprocs / slow_bytes_per_s
 
 
-class _WorkerSet:
-    """N ranks of one library, each the leader of its own process group."""
-
-    def __init__(self, lib: str, nprocs: int, settings: Settings, deadline: float) -> None:
-        self.lib = lib
-        self.nprocs = nprocs
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[IO[bytes]] = []
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        script = str(Path(__file__).resolve())
-        worker = "mpi" if lib.startswith("mpi") else lib
-        sizes = ",".join(str(s) for s in settings.sizes)
-        command = [
-            sys.executable, script, "--worker", worker, "--sizes", sizes,
-            "--min-time", repr(settings.min_time), "--warmup", str(settings.warmup),
-            "--repeats", str(settings.repeats), "--parent-pid", str(os.getpid()),
-            "--deadline", f"{deadline + 30:.0f}",
-        ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        src = _package_root()
-        if src is not None:  # the workers use the same asyncreduce as this process
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
-        if lib.startswith("mpi"):
-            tcp = _MPI_TCP if lib == "mpi-tcp" else ()
-            self._start(["mpirun", "-n", str(nprocs), *_MPIRUN_ROOT, *tcp, *command], env, True)
-        else:
-            port = _free_port()
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs))
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like the others
-            for rank in range(nprocs):
-                self._start(command, dict(env, RANK=str(rank)), rank == 0)
-
-    def _start(self, command: list[str], env: dict[str, str], reports: bool) -> None:
-        log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
-        self.logs.append(log)
-        proc = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if reports else subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,  # its own process group: killpg reaches what it starts
-        )
-        self.procs.append(proc)
-        if reports:
-            assert proc.stdout is not None
-            threading.Thread(
-                target=self._read, args=(proc.stdout,), name="allreduce-bench-reader", daemon=True
-            ).start()
-
-    def _read(self, pipe: IO[bytes]) -> None:
-        try:
-            for raw in pipe:
-                line = raw.decode(errors="replace").rstrip("\n")
-                if line.startswith(MARK):
-                    self.lines.put(line[len(MARK) :])
-        finally:
-            self.lines.put(None)
-
-    def next_message(self, timeout: float) -> dict[str, Any]:
-        """The next report of rank 0; raises WorkerSetError on a timeout or a failed rank."""
-        end = time.monotonic() + timeout
-        while True:
-            if self.failed_rank() is not None:
-                time.sleep(0.5)  # let the others exit and their errors reach their logs too
-                raise WorkerSetError(self.failed_rank() or "a rank failed")
-            try:
-                line = self.lines.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= end:
-                    raise _NoProgress(timeout) from None
-                continue
-            if line is None:
-                for proc in self.procs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=2.0)
-                raise WorkerSetError(self.failed_rank() or "rank 0 closed its output early")
-            try:
-                message: dict[str, Any] = json.loads(line)
-            except json.JSONDecodeError:
-                raise WorkerSetError(f"unreadable report from rank 0: {line!r}") from None
-            return message
-
-    def failed_rank(self) -> str | None:
-        """Who exited with an error (all of them, the killed first), or None."""
-        failed = []
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code not in (None, 0):
-                who = "mpirun" if self.lib.startswith("mpi") else f"rank {rank}"
-                how = f"killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
-                failed.append((code >= 0, f"{who} {how}"))
-        return "; ".join(text for _, text in sorted(failed)) or None
-
-    def finish(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.01, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise WorkerSetError("workers did not exit after finishing") from None
-        failed = self.failed_rank()
-        if failed:
-            raise WorkerSetError(failed)
-
-    def stderr_tail(self, lines: int = 15) -> str:
-        tails = []
-        for index, log in enumerate(self.logs):
-            log.seek(0)
-            text = log.read().decode(errors="replace").strip()
-            if text:
-                who = "mpirun" if self.lib.startswith("mpi") else f"rank {index}"
-                tail = "\n".join("    " + ln for ln in text.splitlines()[-lines:])
-                tails.append(f"  stderr of {who}:\n{tail}")
-        return "\n".join(tails)
-
-    def kill(self) -> None:
-        """SIGTERM every process group, then SIGKILL whatever is left in them; reap all."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in self.procs:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)  # a group can outlive its leader: sweep it anyway
-            end = time.monotonic() + _GRACE_S
-            for proc in self.procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.01, end - time.monotonic()))
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.stdout is not None:
-                proc.stdout.close()
-        for log in self.logs:
-            log.close()
-
-
-def _package_root() -> Path | None:
-    spec = importlib.util.find_spec("asyncreduce")
-    if spec is None or spec.origin is None:
-        return None
-    return Path(spec.origin).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def _worker_set(lib: str, nprocs: int, settings: Settings, deadline: float) -> Iterator[_WorkerSet]:
-    workers = _WorkerSet(lib, nprocs, settings, deadline)
-    try:
-        yield workers
-    finally:
-        workers.kill()
-        workers.close()
-
-
-class _Progress:
-    """One line on stderr, rewritten in place on a terminal, one line per step otherwise."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.width = 0
-
-    def show(self, text: str) -> None:
-        if self.tty:
-            sys.stderr.write("\r" + text.ljust(self.width))
-            self.width = len(text)
-        else:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-
-    def end(self, text: str) -> None:
-        self.show(text)
-        if self.tty:
-            sys.stderr.write("\n")
-            self.width = 0
-
-
-def _run_set(lib: str, nprocs: int, settings: Settings, run: Run, progress: _Progress) -> None:
-    tag = f"[{lib} N={nprocs}]"
+def _run_set(
+    lib: str, nprocs: int, settings: Settings, run: Run, progress: common.Progress
+) -> None:
     allowances = [_allowance(s, nprocs, settings) for s in settings.sizes]
-    limit = settings.timeout or (_STARTUP_ALLOWANCE_S + sum(allowances))
-    started = time.monotonic()
-    end = started + limit
-    over = f"hard timeout: the set ran over its limit of {limit:.1f} s" + (
-        " (--timeout)" if settings.timeout else ""
-    )
-    progress.show(f"{tag} starting {nprocs} processes ...")
-    with _worker_set(lib, nprocs, settings, limit) as workers:
-        try:
-            allowance = _STARTUP_ALLOWANCE_S
-            while True:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise WorkerSetError(over)
-                try:
-                    message = workers.next_message(min(allowance, left))
-                except _NoProgress:
-                    if allowance < left:
-                        raise
-                    raise WorkerSetError(over) from None
-                event = message.get("event")
-                if event == "start":
-                    nbytes = int(message["bytes"])
-                    allowance = allowances[settings.sizes.index(nbytes)]
-                    progress.show(f"{tag} {format_size(nbytes)} ...")
-                elif event == "result":
-                    nbytes = int(message["bytes"])
-                    seconds = float(message["latency_us"]) / 1e6
-                    run.results.append(
-                        Result(
-                            lib=lib,
-                            nprocs=nprocs,
-                            bytes=nbytes,
-                            latency_us=float(message["latency_us"]),
-                            busbw_gbps=busbw_gbps(nbytes, nprocs, seconds),
-                            algorithm=str(message["algorithm"]),
-                            min_us=float(message["min_us"]),
-                            repeats_us=[float(t) for t in message["repeats_us"]],
-                            iters=int(message["iters"]),
-                            warmup=int(message["warmup"]),
-                        )
-                    )
-                elif event == "done":
-                    workers.finish(timeout=max(1.0, min(30.0, end - time.monotonic())))
-                    break
-        except WorkerSetError as exc:
-            workers.kill()
-            detail = workers.stderr_tail()
-            run.failures.append({"lib": lib, "nprocs": nprocs, "error": str(exc), "stderr": detail})
-            progress.end(f"{tag} FAILED: {exc}")
-            if detail:
-                print(detail, file=sys.stderr)
-            return
-    took = time.monotonic() - started
-    run.set_seconds[f"{lib} N={nprocs}"] = round(took, 2)
-    progress.end(f"{tag} done in {took:.1f} s")
+    sizes = ",".join(str(s) for s in settings.sizes)
+    limit = settings.timeout or (common.STARTUP_S + sum(allowances))
+    spec = common.SetSpec(
+        Path(__file__), lib, nprocs, {}, limit_s=limit, step_s=max(allowances),
+        worker_args=(
+            "--sizes", sizes, "--min-time", repr(settings.min_time), "--warmup",
+            str(settings.warmup), "--repeats", str(settings.repeats),
+        ),
+        mpirun_args=_MPI_TCP if lib == "mpi-tcp" else (),
+        mark=MARK,
+        silence="progress",
+        killed_first=True,
+        limit_note=" (--timeout)" if settings.timeout else "",
+    )  # fmt: skip
+    tag = common.set_tag(spec)
+
+    def allow(message: dict[str, Any], allowance: float) -> float:
+        if message.get("event") == "start":
+            return allowances[settings.sizes.index(int(message["bytes"]))]
+        return allowance
+
+    def take(message: dict[str, Any]) -> None:
+        event = message.get("event")
+        if event == "start":
+            progress.show(f"{tag} {format_size(int(message['bytes']))} ...")
+        elif event == "result":
+            nbytes = int(message["bytes"])
+            seconds = float(message["latency_us"]) / 1e6
+            run.results.append(
+                Result(
+                    lib=lib,
+                    nprocs=nprocs,
+                    bytes=nbytes,
+                    latency_us=float(message["latency_us"]),
+                    busbw_gbps=busbw_gbps(nbytes, nprocs, seconds),
+                    algorithm=str(message["algorithm"]),
+                    min_us=float(message["min_us"]),
+                    repeats_us=[float(t) for t in message["repeats_us"]],
+                    iters=int(message["iters"]),
+                    warmup=int(message["warmup"]),
+                )
+            )
+
+    common.drive_set(spec, run, progress, take, allow)
 
 
 # ---- the parent: report ---------------------------------------------------------------------
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _open_mpi_version() -> str | None:
-    if shutil.which("mpirun") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["mpirun", "--version"], capture_output=True, text=True, timeout=20, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    first = (out.stdout or out.stderr).strip().splitlines()
-    return first[0] if first else None
-
-
-def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or None
-
-
-def machine_info() -> dict[str, Any]:
-    from asyncreduce import algorithms
-
-    return {
-        "cores": os.cpu_count(),
-        "cpu": _cpu_model(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": _version("torch"),
-        "mpi4py": _version("mpi4py"),
-        "open_mpi": _open_mpi_version(),
-        "asyncreduce": _version("asyncreduce"),
-        "small_allreduce_bytes": algorithms.SMALL_ALLREDUCE_BYTES,
-    }
 
 
 def _machine_line(machine: dict[str, Any]) -> str:
@@ -962,30 +606,19 @@ def write_json(
     path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
 ) -> None:
     document = {
-        "benchmark": "allreduce",
-        "command": {
-            "line": shlex.join(["asyncreduce", "bench", "allreduce", *argv]),
-            "argv": list(argv),
-            "sys_argv": list(sys.argv),
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "elapsed_s": round(elapsed, 2),
-        "machine": machine,
+        **common.json_head("allreduce", argv, elapsed, machine, sys_argv=list(sys.argv)),
         "settings": asdict(run.settings),
         "skipped": run.skipped,
         "failures": run.failures,
         "set_seconds": run.set_seconds,
         "results": [asdict(r) for r in run.results],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    common.save_json(path, document)
 
 
 def plot(path: Path, run: Run) -> None:
     """Bus bandwidth against size (log x), one line per library, one panel per N."""
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
+    plt = common.pyplot()
     ns = run.settings.nprocs
     fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), sharey=True, squeeze=False)
     for ax, nprocs in zip(axes[0], ns, strict=True):
@@ -1004,10 +637,7 @@ def plot(path: Path, run: Run) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("bus bandwidth (GB/s)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(plt, fig, path)
 
 
 def _parent_main(
@@ -1015,12 +645,8 @@ def _parent_main(
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    for lib in settings.libs:
-        why = _unavailable(lib)
-        if why:
-            run.skipped[lib] = why
-            print(f"{_SAY}skipping {lib}: {why}", file=sys.stderr)
-    progress = _Progress()
+    common.skip_unavailable("allreduce", settings.libs, run.skipped)
+    progress = common.Progress()
     interrupted = False
     try:
         for nprocs in settings.nprocs:
@@ -1032,17 +658,11 @@ def _parent_main(
         progress.end(f"{_SAY}interrupted; partial results follow")
     elapsed = time.monotonic() - started
     machine = machine_info()
-    print(report(run, machine))
-    print(f"\n(total {elapsed:.1f} s)")
-    if json_path is not None:
-        write_json(json_path, run, machine, argv, elapsed)
-        print(f"wrote {json_path}")
-    if plot_path is not None and run.results:
-        plot(plot_path, run)
-        print(f"wrote {plot_path}")
-    if interrupted:
-        return 130
-    return 1 if run.failures else 0
+    return common.finish(
+        report(run, machine), elapsed, interrupted, bool(run.failures),
+        json_path, lambda path: write_json(path, run, machine, argv, elapsed),
+        plot_path if run.results else None, lambda path: plot(path, run),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

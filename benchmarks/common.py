@@ -24,6 +24,10 @@ On the worker side ``connect`` gives a ``Rank``: the library's handle plus the t
 every measurement needs (``barrier``, ``max`` over ranks, ``close``). ``timed`` runs a step
 after a barrier and returns each repeat's wall time, the maximum over ranks, so every rank runs
 the same number of collectives. Helpers for the report (tables, JSON, machine line) follow.
+
+``allreduce.py`` and ``links.py`` run their own protocol, but share the pieces here: sizes and
+units, the command-line checks, the worker set (``SetSpec`` says how it differs), the
+parent's loop over its reports (``drive_set``), the machine's description and the output.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ import argparse
 import contextlib
 import datetime
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import queue
+import re
 import shlex
 import shutil
 import signal
@@ -47,12 +54,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # allreduce.py, next to this file
-from allreduce import format_size, machine_info, parse_size  # noqa: E402
+from typing import IO, Any, Protocol
 
 __all__ = [
     "LIBS",
@@ -63,9 +67,11 @@ __all__ = [
     "SetSpec",
     "WorkerSetError",
     "base_parser",
+    "busbw_gbps",
     "connect",
     "format_size",
     "fmt_ms",
+    "machine_info",
     "machine_line",
     "median",
     "parent_main",
@@ -80,6 +86,38 @@ MARK = "@asyncreduce-bench "
 STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _GRACE_S = 2.0
 _MPIRUN = ("--allow-run-as-root", "--oversubscribe", "--bind-to", "none")
+DTYPE_BYTES = 4  # float32
+
+
+# ---- sizes and units ------------------------------------------------------------------------
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"1M"``/``"1MiB"`` -> 1048576, ``"512"`` -> 512 (bytes)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4K, 1M, 128M or bytes)")
+    nbytes = int(match.group(1)) * _UNITS[match.group(2)]
+    if nbytes < DTYPE_BYTES or nbytes % DTYPE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} must be a positive multiple of {DTYPE_BYTES} bytes (float32)"
+        )
+    return nbytes
+
+
+def format_size(nbytes: int) -> str:
+    """4096 -> ``"4 KiB"``; sizes that are not whole KiB/MiB stay in bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def busbw_gbps(nbytes: int, nprocs: int, seconds: float) -> float:
+    """Bus bandwidth in GB/s: ``bytes * 2 (N-1) / N / time``."""
+    return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -326,8 +364,11 @@ def median(values: Sequence[float]) -> float:
 Tell = Callable[..., None]
 
 
-def _watchdog(parent_pid: int | None, deadline: float | None) -> None:
-    """Exit (code 3) once the parent (or our launcher, mpirun) is gone or the deadline passed."""
+def watchdog(parent_pid: int | None, deadline: float | None, say: str = "") -> None:
+    """Exit (code 3) once the parent (or our launcher, mpirun) is gone or the deadline passed.
+
+    ``say`` starts the line that tells of a passed deadline (on stderr).
+    """
     end = None if deadline is None else time.monotonic() + deadline
     launcher = os.getppid()
 
@@ -335,7 +376,7 @@ def _watchdog(parent_pid: int | None, deadline: float | None) -> None:
         while True:
             time.sleep(0.5)
             if end is not None and time.monotonic() > end:
-                print(f"worker deadline of {deadline:.0f} s passed", file=sys.stderr)
+                print(f"{say}worker deadline of {deadline:.0f} s passed", file=sys.stderr)
                 os._exit(3)
             if os.getppid() != launcher or (parent_pid is not None and not _alive(parent_pid)):
                 os._exit(3)
@@ -347,7 +388,7 @@ def worker_main(
     args: argparse.Namespace, body: Callable[[Rank, dict[str, Any], Tell], None]
 ) -> int:
     """Run ``body(rank, settings, tell)`` as one rank; ``tell`` reports from rank 0 only."""
-    _watchdog(args.parent_pid, args.deadline)
+    watchdog(args.parent_pid, args.deadline)
     settings: dict[str, Any] = json.loads(args.settings or "{}")
     started = time.perf_counter()
     rank = connect(args.worker)
@@ -374,8 +415,8 @@ class WorkerSetError(Exception):
 
 
 class _NoReport(WorkerSetError):
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"no report for {seconds:.1f} s (hung?)")
+    def __init__(self, seconds: float, what: str = "report") -> None:
+        super().__init__(f"no {what} for {seconds:.1f} s (hung?)")
 
 
 @dataclass(frozen=True)
@@ -389,6 +430,13 @@ class SetSpec:
     limit_s: float  # the whole set, start-up included
     step_s: float  # the longest wait for any one report after ``ready``
     env: dict[str, str] = field(default_factory=dict)
+    # what allreduce.py's sets do their own way (the defaults are this module's protocol):
+    worker_args: tuple[str, ...] | None = None  # after --worker; None: --settings JSON
+    mpirun_args: tuple[str, ...] = ()  # more options for mpirun (a lib named mpi*)
+    mark: str = MARK  # the prefix of rank 0's report lines
+    silence: str = "report"  # "no <silence> for S s (hung?)"
+    killed_first: bool = False  # name the ranks killed by a signal first when several fail
+    limit_note: str = ""  # appended to the hard-timeout message
 
 
 @dataclass
@@ -430,7 +478,7 @@ def unavailable(lib: str) -> str | None:
     """Why ``lib`` cannot run here, or None."""
     if lib == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install 'asyncreduce[torch]')"
-    if lib == "mpi":
+    if lib in ("mpi", "mpi-tcp"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
         if shutil.which("mpirun") is None:
@@ -438,7 +486,8 @@ def unavailable(lib: str) -> str | None:
     return None
 
 
-def _package_root() -> Path | None:
+def package_root() -> Path | None:
+    """The folder holding the ``asyncreduce`` package this process imports, or None."""
     spec = importlib.util.find_spec("asyncreduce")
     if spec is None or spec.origin is None:
         return None
@@ -453,18 +502,22 @@ class WorkerSet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[IO[bytes]] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.mpi = spec.lib.startswith("mpi")  # mpi, mpi-tcp: one mpirun starts the ranks
+        args = spec.worker_args
+        if args is None:
+            args = ("--settings", json.dumps(spec.settings))
         command = [
-            sys.executable, str(spec.script.resolve()), "--worker", spec.lib,
-            "--settings", json.dumps(spec.settings), "--parent-pid", str(os.getpid()),
-            "--deadline", f"{spec.limit_s + 30:.0f}",
+            sys.executable, str(spec.script.resolve()), "--worker", "mpi" if self.mpi else spec.lib,
+            *args, "--parent-pid", str(os.getpid()), "--deadline", f"{spec.limit_s + 30:.0f}",
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
-        src = _package_root()
+        src = package_root()
         if src is not None:  # the workers use the same asyncreduce as this process
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
         n = spec.nprocs
-        if spec.lib == "mpi":
-            self._start(["mpirun", "-n", str(n), *_MPIRUN, *command], env, reports=True)
+        if self.mpi:
+            mpirun = ["mpirun", "-n", str(n), *_MPIRUN, *spec.mpirun_args]
+            self._start([*mpirun, *command], env, reports=True)
             return
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n))
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like the others
@@ -493,8 +546,8 @@ class WorkerSet:
         try:
             for raw in pipe:
                 line = raw.decode(errors="replace").rstrip("\n")
-                if line.startswith(MARK):
-                    self.lines.put(line[len(MARK) :])
+                if line.startswith(self.spec.mark):
+                    self.lines.put(line[len(self.spec.mark) :])
         finally:
             self.lines.put(None)
 
@@ -509,7 +562,7 @@ class WorkerSet:
                 line = self.lines.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= end:
-                    raise _NoReport(timeout) from None
+                    raise _NoReport(timeout, self.spec.silence) from None
                 continue
             if line is None:
                 for proc in self.procs:
@@ -523,15 +576,17 @@ class WorkerSet:
             return message
 
     def failed_rank(self) -> str | None:
-        """Who exited with an error, or None."""
+        """Who exited with an error (the killed first if ``killed_first``), or None."""
         failed = []
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
             if code not in (None, 0):
-                who = "mpirun" if self.spec.lib == "mpi" else f"rank {rank}"
+                who = "mpirun" if self.mpi else f"rank {rank}"
                 how = f"killed by signal {-code}" if code < 0 else f"failed with exit code {code}"
-                failed.append(f"{who} {how}")
-        return "; ".join(failed) or None
+                failed.append((code >= 0, f"{who} {how}"))
+        if self.spec.killed_first:
+            failed.sort()
+        return "; ".join(text for _, text in failed) or None
 
     def finish(self, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -550,7 +605,7 @@ class WorkerSet:
             log.seek(0)
             text = log.read().decode(errors="replace").strip()
             if text:
-                who = "mpirun" if self.spec.lib == "mpi" else f"rank {index}"
+                who = "mpirun" if self.mpi else f"rank {index}"
                 tail = "\n".join("    " + ln for ln in text.splitlines()[-lines:])
                 tails.append(f"  stderr of {who}:\n{tail}")
         return "\n".join(tails)
@@ -606,22 +661,43 @@ class Progress:
             self.width = 0
 
 
-def _take(message: dict[str, Any], spec: SetSpec, run: Run, progress: Progress, tag: str) -> bool:
-    """Record one report; True once the set said ``done``."""
+def _take(message: dict[str, Any], spec: SetSpec, run: Run, progress: Progress) -> None:
+    """Record one report."""
     event = message.get("event")
     if event == "start":
-        progress.show(f"{tag} {message.get('step', '')} ...")
+        progress.show(f"{set_tag(spec)} {message.get('step', '')} ...")
     elif event == "result":
         row = {k: v for k, v in message.items() if k != "event"}
         run.results.append({"lib": spec.lib, "nprocs": spec.nprocs, **row})
     elif event == "note":
         run.notes.append(f"{spec.lib} N={spec.nprocs}: {message.get('text', '')}")
-    return event == "done"
 
 
 def run_set(spec: SetSpec, run: Run, progress: Progress) -> None:
     """Start one set, collect its reports into ``run``; a failure is recorded, not raised."""
-    tag = f"[{spec.lib} N={spec.nprocs}]"
+    drive_set(
+        spec, run, progress, lambda m: _take(m, spec, run, progress), lambda m, a: spec.step_s
+    )
+
+
+class Outcome(Protocol):
+    """Where ``drive_set`` records a failed set and each finished set's wall time."""
+
+    failures: list[dict[str, Any]]
+    set_seconds: dict[str, float]
+
+
+def set_tag(spec: SetSpec) -> str:
+    return f"[{spec.lib} N={spec.nprocs}]"
+
+
+def drive_set(
+    spec: SetSpec, run: Outcome, progress: Progress, take: Callable[[dict[str, Any]], None],
+    allow: Callable[[dict[str, Any], float], float],
+) -> None:  # fmt: skip
+    """Start one set and hand each report to ``take`` until ``done``; a failure is recorded in
+    ``run``, not raised. ``allow(report, seconds)``: how long to wait for the next report."""
+    tag = set_tag(spec)
     started = time.monotonic()
     end = started + spec.limit_s
     progress.show(f"{tag} starting {spec.nprocs} processes ...")
@@ -629,6 +705,7 @@ def run_set(spec: SetSpec, run: Run, progress: Progress) -> None:
         try:
             allowance = STARTUP_S
             over = f"hard timeout: the set ran over its limit of {spec.limit_s:.1f} s"
+            over += spec.limit_note
             while True:
                 left = end - time.monotonic()
                 if left <= 0:
@@ -639,8 +716,9 @@ def run_set(spec: SetSpec, run: Run, progress: Progress) -> None:
                     if allowance < left:
                         raise
                     raise WorkerSetError(over) from None
-                allowance = spec.step_s
-                if _take(message, spec, run, progress, tag):
+                allowance = allow(message, allowance)
+                take(message)
+                if message.get("event") == "done":
                     workers.finish(timeout=max(1.0, min(30.0, end - time.monotonic())))
                     break
         except WorkerSetError as exc:
@@ -685,7 +763,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: in
 def library_state() -> dict[str, Any]:
     """Which asyncreduce ran: the checkout's commit, whether src/ differs from it, and the
     ASYNCREDUCE_* environment (e.g. ASYNCREDUCE_SHM=0 keeps ranks on TCP)."""
-    root = _package_root()
+    root = package_root()
     state: dict[str, Any] = {
         "env": {k: v for k, v in os.environ.items() if k.startswith("ASYNCREDUCE_")}
     }
@@ -699,6 +777,53 @@ def library_state() -> dict[str, Any]:
                                  text=True, timeout=10, check=True).stdout.splitlines()  # fmt: skip
         state.update(commit=head, src_changes=[line[3:] for line in changed])
     return state
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _open_mpi_version() -> str | None:
+    if shutil.which("mpirun") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = (out.stdout or out.stderr).strip().splitlines()
+    return first[0] if first else None
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def machine_info() -> dict[str, Any]:
+    import numpy as np
+
+    from asyncreduce import algorithms
+
+    return {
+        "cores": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": _version("torch"),
+        "mpi4py": _version("mpi4py"),
+        "open_mpi": _open_mpi_version(),
+        "asyncreduce": _version("asyncreduce"),
+        "small_allreduce_bytes": algorithms.SMALL_ALLREDUCE_BYTES,
+    }
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -737,19 +862,42 @@ def preamble(run: Run, machine: dict[str, Any]) -> list[str]:
     return lines
 
 
+def json_head(
+    name: str, argv: Sequence[str], elapsed: float, machine: dict[str, Any], **command: Any
+) -> dict[str, Any]:
+    """What every ``--json`` document starts with (``command`` adds to its command entry)."""
+    return {
+        "benchmark": name,
+        "command": {
+            "line": shlex.join(["asyncreduce", "bench", name, *argv]),
+            "argv": list(argv),
+            **command,
+        },
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(elapsed, 2),
+        "machine": machine,
+    }
+
+
+def save_json(path: Path, document: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def report_per_n(run: Run, machine: dict[str, Any], table: Callable[[Run, int], str]) -> str:
+    """The preamble, then ``table(run, N)`` for each process count, a blank line before each."""
+    lines = preamble(run, machine)
+    for nprocs in run.settings["nprocs"]:
+        lines += ["", table(run, nprocs)]
+    return "\n".join(lines)
+
+
 def write_json(
     path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float,
     summary: dict[str, Any],
 ) -> None:  # fmt: skip
     document = {
-        "benchmark": run.benchmark,
-        "command": {
-            "line": shlex.join(["asyncreduce", "bench", run.benchmark, *argv]),
-            "argv": list(argv),
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "elapsed_s": round(elapsed, 2),
-        "machine": machine,
+        **json_head(run.benchmark, argv, elapsed, machine),
         "settings": run.settings,
         "skipped": run.skipped,
         "failures": run.failures,
@@ -758,8 +906,7 @@ def write_json(
         "results": run.results,
         "summary": summary,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    save_json(path, document)
 
 
 def pyplot() -> Any:
@@ -767,6 +914,14 @@ def pyplot() -> Any:
     matplotlib: Any = importlib.import_module("matplotlib")
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` as a PNG and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 @dataclass(frozen=True)
@@ -820,11 +975,7 @@ def parent_main(
     if args.from_json is not None:
         return replay(bench, args.from_json, plot_path)
     started, load_before = time.monotonic(), _load()
-    for lib in libs:
-        why = unavailable(lib)
-        if why:
-            run.skipped[lib] = why
-            print(f"{bench.name} bench: skipping {lib}: {why}", file=sys.stderr)
+    skip_unavailable(bench.name, libs, run.skipped)
     progress = Progress()
     interrupted = False
     try:
@@ -838,14 +989,64 @@ def parent_main(
     elapsed = time.monotonic() - started
     machine = {**machine_info(), "library": library_state()}
     machine["load_1min"] = {"before": load_before, "after": _load()}
-    print(bench.report(run, machine))
+    return finish(
+        bench.report(run, machine), elapsed, interrupted, bool(run.failures),
+        json_path, lambda path: write_json(path, run, machine, argv, elapsed, bench.summary(run)),
+        plot_path if run.results else None, lambda path: bench.plot(path, run),
+    )  # fmt: skip
+
+
+def skip_unavailable(
+    name: str, libs: Sequence[str], skipped: dict[str, str],
+    why_not: Callable[[str], str | None] = unavailable,
+) -> None:  # fmt: skip
+    """Record (and say on stderr) each of ``libs`` that cannot run here."""
+    for lib in libs:
+        why = why_not(lib)
+        if why:
+            skipped[lib] = why
+            print(f"{name} bench: skipping {lib}: {why}", file=sys.stderr)
+
+
+def finish(
+    report: str, elapsed: float, interrupted: bool, failed: bool,
+    json_path: Path | None, write: Callable[[Path], None],
+    plot_path: Path | None, plot: Callable[[Path], None],
+) -> int:  # fmt: skip
+    """Print the report, write the JSON and the plot (where asked), return the exit code."""
+    print(report)
     print(f"\n(total {elapsed:.1f} s)")
     if json_path is not None:
-        write_json(json_path, run, machine, argv, elapsed, bench.summary(run))
+        write(json_path)
         print(f"wrote {json_path}")
-    if plot_path is not None and run.results:
-        bench.plot(plot_path, run)
+    if plot_path is not None:
+        plot(plot_path)
         print(f"wrote {plot_path}")
     if interrupted:
         return 130
-    return 1 if run.failures else 0
+    return 1 if failed else 0
+
+
+def bench_main(
+    name: str, script: Path, argv: Sequence[str] | None, parser: argparse.ArgumentParser,
+    settings: Callable[[argparse.Namespace], Any],
+    worker: Callable[[Rank, dict[str, Any], Tell], None],
+    spec: Callable[[Any, float | None, str, int], SetSpec],
+    report: Callable[[Run, dict[str, Any]], str], summary: Callable[[Run], dict[str, Any]],
+    plot: Callable[[Path, Run], None],
+) -> int:  # fmt: skip
+    """The ``main`` of a benchmark on this module's protocol: one rank with ``--worker``, else
+    the parent. ``settings(args)`` is a dataclass with ``libs`` and ``nprocs``; ``spec(settings,
+    --timeout, lib, N)`` says how to run one set."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    if args.worker:
+        return worker_main(args, worker)
+    s = settings(args)
+    bench = Benchmark(
+        name, script, lambda lib, n: spec(s, args.timeout, lib, n), report, summary, plot
+    )
+    run = Run(name, asdict(s))
+    return parent_main(bench, run, s.libs, s.nprocs, argv, args)

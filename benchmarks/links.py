@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib
 import importlib.util
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import time
@@ -84,6 +82,9 @@ def _load(name: str, path: Path) -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
+
+sys.path.insert(0, str(_HERE))  # common.py, next to this file
+import common  # noqa: E402
 
 allreduce: Any = _load("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
 cluster: Any = _load("asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py")
@@ -146,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--sizes",
-        type=_list("size", allreduce.parse_size),
+        type=_list("size", common.parse_size),
         default=None,
         help=f"buffer sizes, K/M suffixes (default {DEFAULT_SIZES})",
     )
@@ -221,7 +222,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(
         hosts=args.hosts or ([2] if quick else _list("host", _hosts)(DEFAULT_HOSTS)),
         rates=args.rates,
-        sizes=sorted(args.sizes or _list("size", allreduce.parse_size)(DEFAULT_SIZES)),
+        sizes=sorted(args.sizes or _list("size", common.parse_size)(DEFAULT_SIZES)),
         libs=args.libs,
         min_time=args.min_time or (QUICK_MIN_TIME if quick else DEFAULT_MIN_TIME),
         warmup=args.warmup or (QUICK_WARMUP if quick else DEFAULT_WARMUP),
@@ -309,22 +310,10 @@ class _Lines:
 
 
 def _unavailable(lib: str) -> str | None:
-    if lib == "gloo" and importlib.util.find_spec("torch") is None:
-        return "torch is not installed (pip install 'asyncreduce[torch]')"
-    if lib == "mpi":
-        if importlib.util.find_spec("mpi4py") is None:
-            return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
-        for tool in ("mpirun", "orted"):
-            if shutil.which(tool) is None:
-                return f"{tool} is not on PATH (install Open MPI)"
-    return None
-
-
-def _package_root() -> str | None:
-    spec = importlib.util.find_spec("asyncreduce")
-    if spec is None or spec.origin is None:
-        return None
-    return str(Path(spec.origin).resolve().parents[1])
+    why = common.unavailable(lib)
+    if why is None and lib == "mpi" and shutil.which("orted") is None:
+        return "orted is not on PATH (install Open MPI)"  # mpirun starts it on the other hosts
+    return why
 
 
 def _limit(settings: Settings, hosts: int, rate_bps: float) -> float:
@@ -348,9 +337,9 @@ def _worker_argv(lib: str, settings: Settings, limit: float) -> list[str]:
 
 def _env(c: Any, lib: str, host: int) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    root = _package_root()
+    root = common.package_root()
     if root:  # the workers use the same asyncreduce as this process
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     if lib != "mpi":
         env.update(
             RANK=str(host),
@@ -401,7 +390,7 @@ def _check(codes: list[int], lines: _Lines) -> None:
 
 def _result(message: dict[str, Any], lib: str, hosts: int, rate: str, rate_bps: float) -> Result:
     nbytes = int(message["bytes"])
-    busbw = allreduce.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
+    busbw = common.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
     return Result(
         lib=lib,
         hosts=hosts,
@@ -471,7 +460,7 @@ def table(run: Run) -> str:
 
 
 def _row(run: Run, hosts: int, rate: str, nbytes: int, lib: str) -> list[str]:
-    head = [str(hosts), rate, allreduce.format_size(nbytes), lib]
+    head = [str(hosts), rate, common.format_size(nbytes), lib]
     found = [
         r for r in run.results if (r.hosts, r.rate, r.bytes, r.lib) == (hosts, rate, nbytes, lib)
     ]
@@ -528,11 +517,7 @@ def write_json(
     path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
 ) -> None:
     document = {
-        "benchmark": "links",
-        "command": {"line": shlex.join(["asyncreduce", "bench", "links", *argv]), "argv": argv},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "elapsed_s": round(elapsed, 2),
-        "machine": machine,
+        **common.json_head("links", argv, elapsed, machine),
         "links": {"shaping": "tc tbf on both ends of each host's veth", "mtu": 1500},
         "settings": asdict(run.settings),
         "tcp_checks": run.tcp,
@@ -541,15 +526,12 @@ def write_json(
         "set_seconds": run.set_seconds,
         "results": [asdict(r) for r in run.results],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    common.save_json(path, document)
 
 
 def plot(path: Path, run: Run) -> None:
     """Grouped bars: share of the link per (hosts, rate, size), one bar per library."""
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
+    plt = common.pyplot()
     s = run.settings
     groups = [(k, r, b) for k in s.hosts for r in s.rates for b in s.sizes]
     libs = [lib for lib in LIBS if any(res.lib == lib for res in run.results)]
@@ -568,16 +550,13 @@ def plot(path: Path, run: Run) -> None:
             label = "one TCP stream" if g == 0 else None
             ax.hlines(tcp[(k, r)], g - 0.45, g + 0.45, colors="k", linestyles="dashed", label=label)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"K={k}\n{r}\n{allreduce.format_size(b)}" for k, r, b in groups])
+    ax.set_xticklabels([f"K={k}\n{r}\n{common.format_size(b)}" for k, r, b in groups])
     ax.set_ylabel("allreduce bus bandwidth, % of link rate")
     ax.set_ylim(0, 120)
     ax.set_title("allreduce across emulated hosts (tbf-shaped veth links)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper center", ncol=len(libs) + 1, fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(plt, fig, path)
 
 
 def _parent_main(
@@ -585,11 +564,7 @@ def _parent_main(
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    for lib in settings.libs:
-        why = _unavailable(lib)
-        if why:
-            run.skipped[lib] = why
-            print(f"{_SAY}skipping {lib}: {why}", file=sys.stderr)
+    common.skip_unavailable("links", settings.libs, run.skipped, _unavailable)
     libs = [lib for lib in settings.libs if lib not in run.skipped]
     interrupted = False
     try:
@@ -600,18 +575,12 @@ def _parent_main(
         interrupted = True
         print(f"{_SAY}interrupted; partial results follow", file=sys.stderr)
     elapsed = time.monotonic() - started
-    machine = allreduce.machine_info()
-    print(report(run, machine))
-    print(f"\n(total {elapsed:.1f} s)")
-    if json_path is not None:
-        write_json(json_path, run, machine, argv, elapsed)
-        print(f"wrote {json_path}")
-    if plot_path is not None and run.results:
-        plot(plot_path, run)
-        print(f"wrote {plot_path}")
-    if interrupted:
-        return 130
-    return 1 if run.failures else 0
+    machine = common.machine_info()
+    return common.finish(
+        report(run, machine), elapsed, interrupted, bool(run.failures),
+        json_path, lambda path: write_json(path, run, machine, argv, elapsed),
+        plot_path if run.results else None, lambda path: plot(path, run),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

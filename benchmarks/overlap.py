@@ -120,19 +120,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = common.parse(_parser(), argv)
-    if isinstance(args, int):
-        return args
-    if args.worker:
-        return common.worker_main(args, _worker)
-    s = _settings(args)
-    bench = common.Benchmark(
-        "overlap", Path(__file__), lambda lib, n: _spec(s, args.timeout, lib, n),
+    return common.bench_main(
+        "overlap", Path(__file__), argv, _parser(), _settings, _worker, _spec,
         report, summary, plot,
     )  # fmt: skip
-    run = common.Run("overlap", asdict(s))
-    return common.parent_main(bench, run, s.libs, s.nprocs, argv, args)
 
 
 def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
@@ -282,10 +273,7 @@ def _table(run: common.Run, nprocs: int) -> str:
 
 
 def report(run: common.Run, machine: dict[str, Any]) -> str:
-    lines = common.preamble(run, machine)
-    for nprocs in run.settings["nprocs"]:
-        lines += ["", _table(run, nprocs)]
-    return "\n".join(lines)
+    return common.report_per_n(run, machine, _table)
 
 
 def plot(path: Path, run: common.Run) -> None:
@@ -312,10 +300,7 @@ def plot(path: Path, run: common.Run) -> None:
         )
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

@@ -426,19 +426,11 @@ class Engine(FrameSink):
             self._maybe_complete(op)
 
     def _accept(self, op: Operation, peer: int, header: Header, payload: memoryview) -> bool:
-        """Deliver a frame that was received before ``op`` was posted (one copy)."""
-        if header.type == ERROR:
-            self._on_error_frame(peer, header, payload)
-            return False
+        """Deliver a frame that was received before ``op`` was posted: the algorithm reads it
+        from the held buffer (a reduction reads it in place; anything else copies it once)."""
         if not self._matches(op, peer, header):
             return False
-
-        def consume() -> list[Send]:
-            target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
-            np.frombuffer(_bytes_of(target), np.uint8)[:] = np.frombuffer(payload, np.uint8)
-            return op.algo.on_message(peer, header.step, header.seg, target)
-
-        return self._guarded(op, consume)
+        return self._guarded(op, lambda: op.algo.on_view(peer, header.step, header.seg, payload))
 
     def _matches(self, op: Operation, peer: int, header: Header) -> bool:
         if header.desc == op.desc:

@@ -204,10 +204,11 @@ class _Job:
         while True:
             if self.signals:
                 return self._interrupted(self.signals[0])
-            failed = self._first_failure()
+            finished = not any(member.running() for member in self.ranks)
+            failed = self._first_failure()  # after `finished`: a rank dying in between is seen
             if failed is not None:
                 return self._failed(failed)
-            if not any(member.running() for member in self.ranks):
+            if finished:
                 return 0
             time.sleep(_POLL_S)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # helpers (spmd, fakewire) import by name
+sys.path.insert(0, os.path.dirname(__file__))  # helpers (spmd) import by name
 
 
 def _our_threads() -> set[str]:

@@ -425,3 +425,24 @@ def body_reused_name(comm: ar.Communicator) -> list[float]:
 def test_a_name_reused_every_iteration_matches_by_count() -> None:
     results = run_ranks(2, body_reused_name)
     assert results[0] == results[1] == [float(2 * s + 1) for s in range(20)]
+
+
+# ---- a frozen peer -------------------------------------------------------------------------
+
+
+def body_frozen(comm: ar.Communicator) -> str:
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its sockets stay open, it says nothing
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        comm.allreduce(np.ones(1000, np.float32), name="stuck")
+    elapsed = time.monotonic() - start
+    assert 1.5 <= elapsed < 5.0, elapsed  # the peer timeout is 2 s, heartbeats every 0.5 s
+    return str(info.value)
+
+
+def test_a_frozen_peer_fails_pending_operations_naming_it() -> None:
+    env = {"ASYNCREDUCE_PEER_TIMEOUT": "2"}
+    messages = run_ranks(2, body_frozen, expect_dead=frozenset({1}), env=env, timeout=60)
+    assert "rank 1 sent nothing for 2 s" in messages[0], messages

@@ -365,5 +365,6 @@ def init(
             _leave_store(store, rank, world_size, deadline)
     finally:
         store.close()
-    engine = Engine(rank, world_size, lambda sink: TcpTransport(rank, socks, sink, arenas))
+    peer_timeout = float(os.environ.get("ASYNCREDUCE_PEER_TIMEOUT", "30"))
+    engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), peer_timeout)
     return Communicator(rank, world_size, engine)

@@ -36,7 +36,16 @@ from .algorithms import Array, Collective, ProtocolError, Send
 from .errors import BrokenError, ClosedError, MismatchError
 from .request import Request
 from .transport.base import FrameSink, Transport
-from .transport.frame import DATA, ERROR, GOODBYE, MAX_ERROR_BYTES, Descriptor, Header, pack_header
+from .transport.frame import (
+    DATA,
+    ERROR,
+    GOODBYE,
+    HEARTBEAT,
+    MAX_ERROR_BYTES,
+    Descriptor,
+    Header,
+    pack_header,
+)
 
 __all__ = ["Engine", "Operation", "describe"]
 
@@ -46,6 +55,7 @@ Key = tuple[bytes, int]
 _FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before their operation
+_BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "reduce_scatter", 5: "barrier"}
@@ -119,8 +129,14 @@ class Engine(FrameSink):
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
     def __init__(
-        self, rank: int, world_size: int, make_transport: Callable[[FrameSink], Transport]
+        self,
+        rank: int,
+        world_size: int,
+        make_transport: Callable[[FrameSink], Transport],
+        peer_timeout: float = 30.0,
     ) -> None:
+        """``peer_timeout``: a pending operation fails with TimeoutError once a rank it waits
+        on has sent nothing, not even a heartbeat, for this long (a stopped or cut-off peer)."""
         self.rank = rank
         self.world_size = world_size
         self._lock = threading.Lock()
@@ -137,6 +153,10 @@ class Engine(FrameSink):
         self._deadlines: list[tuple[float, int, Operation]] = []
         self._order = itertools.count()
         self._spares = _Spares(_SPARE_BYTES)
+        self._peer_timeout = peer_timeout
+        self._beat_every = min(1.0, peer_timeout / 4)
+        self._last_beat = time.monotonic()
+        self._heard = {p: self._last_beat for p in range(world_size) if p != rank}
         self.transport = make_transport(self)
         self._thread = threading.Thread(
             target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
@@ -181,6 +201,7 @@ class Engine(FrameSink):
             while self._take_submitted():
                 self.transport.poll(self._poll_timeout())
                 self._expire()
+                self._beat()
             self._say_goodbye()
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
@@ -234,9 +255,27 @@ class Engine(FrameSink):
             )
 
     def _poll_timeout(self) -> float:
-        if not self._deadlines:
-            return 1.0
-        return min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
+        until_beat = self._last_beat + self._beat_every - time.monotonic()
+        until_deadline = self._deadlines[0][0] - time.monotonic() if self._deadlines else 1.0
+        return max(0.0, min(1.0, until_beat, until_deadline))
+
+    def _beat(self) -> None:
+        """About once a second: tell every peer we are alive; fail what waits on a silent one."""
+        now = time.monotonic()
+        if now - self._last_beat < self._beat_every:
+            return
+        self._last_beat = now
+        for peer in self._heard:
+            if peer not in self._departed:
+                self._send_control(peer, _BEAT, b"")
+        silent = {p for p, heard in self._heard.items() if now - heard > self._peer_timeout}
+        for op in list(self._ops.values()):
+            stuck = silent & op.algo.pending_sources
+            if stuck:
+                why = f"{_ranks(stuck)} sent nothing for {self._peer_timeout:g} s"
+                self._fail_everywhere(op, TimeoutError(
+                    f"{op.label} failed on rank {self.rank}: {why}, not even a heartbeat "
+                    "(stopped, or cut off?)"))  # fmt: skip
 
     def _start(self, op: Operation) -> None:
         if self._departed:
@@ -345,9 +384,9 @@ class Engine(FrameSink):
         head = pack_header(ERROR, op.key[0], op.key[1], 0, code, len(message), op.desc)
         for peer in range(self.world_size):
             if peer != self.rank:
-                self._try_send_error(peer, head, message)
+                self._send_control(peer, head, message)
 
-    def _try_send_error(self, peer: int, head: bytes, message: bytes) -> None:
+    def _send_control(self, peer: int, head: bytes, message: bytes) -> None:
         try:
             self.transport.send(peer, head, memoryview(message), 1 << 30, None)
         except KeyError:
@@ -389,6 +428,7 @@ class Engine(FrameSink):
         return _bytes_of(target)
 
     def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
+        self._heard[peer] = time.monotonic()
         op = self._ops.get(header.key)
         if header.type != DATA or op is None:
             return False
@@ -401,6 +441,9 @@ class Engine(FrameSink):
         return True
 
     def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        self._heard[peer] = time.monotonic()
+        if header.type == HEARTBEAT:
+            return
         landed = self._landing.pop(peer, None)
         if header.type == GOODBYE:
             self._on_goodbye(peer, bytes(payload).decode(errors="replace"))

@@ -10,7 +10,8 @@ operation; ``(kind, dtype, reduce, root, count)`` describes the operation so a r
 tell at once whether both sides posted the same thing. A DATA frame carries a piece of the
 operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
 receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why;
-a CREDIT frame (no key; ``instance`` is a byte position) returns shared-memory arena space. A
+a CREDIT frame (no key; ``instance`` is a byte position) returns shared-memory arena space; a
+HEARTBEAT frame (empty) says the sender is alive even when it has nothing to send. A
 DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "ERROR",
     "GOODBYE",
     "CREDIT",
+    "HEARTBEAT",
     "FLAG_SHM",
     "with_flags",
     "Descriptor",
@@ -45,6 +47,7 @@ DATA: Final = 1
 ERROR: Final = 2
 GOODBYE: Final = 3
 CREDIT: Final = 4
+HEARTBEAT: Final = 5  # "still here": sent to every peer about once a second
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
@@ -107,7 +110,7 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR, GOODBYE, CREDIT):
+    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT):
         raise FrameError(f"unknown frame type {ftype}")
     if flags & ~FLAG_SHM or (flags and ftype != DATA):
         raise FrameError(f"unknown flags {flags:#x} on a frame of type {ftype}")
@@ -116,9 +119,9 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
     limit = MAX_PAYLOAD_BYTES if ftype == DATA else MAX_ERROR_BYTES
     if payload_len > limit:
         raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
-    if ftype in (GOODBYE, CREDIT):
-        if name_len or (ftype == CREDIT and payload_len):
-            raise FrameError("a GOODBYE or CREDIT frame names no operation (and CREDIT is empty)")
+    if ftype in (GOODBYE, CREDIT, HEARTBEAT):
+        if name_len or (ftype != GOODBYE and payload_len):
+            raise FrameError("GOODBYE, CREDIT and HEARTBEAT frames name no operation")
         return 0, Header(ftype, b"", instance, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
     if step >= MAX_STEP or seg >= MAX_STEP:
         raise FrameError(f"step {step} / segment {seg} out of range")

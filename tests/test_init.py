@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,9 +68,8 @@ def test_init_under_mpirun_needs_no_master_address(tmp_path: Path) -> None:
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert sorted(out.stdout.split("\n")[:2]) == ["rank 0 of 2 sum 3", "rank 1 of 2 sum 3"], (
-        out.stderr
-    )
+    # mpirun forwards both ranks' output through one pipe: lines may run together
+    assert sorted(re.findall(r"rank (\d) of 2 sum 3", out.stdout)) == ["0", "1"], out.stdout
 
 
 def test_file_store_init_method(tmp_path: Path) -> None:

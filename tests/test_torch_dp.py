@@ -547,3 +547,16 @@ def test_parameter_shapes_that_differ_across_ranks_fail_on_every_rank(case: str)
 def test_communicator_usable_after_bad_input() -> None:
     for rank, out in bad_results().items():
         assert out["after"] == [3.0] * 4, f"rank {rank}: {out['after']}"
+
+
+def test_busy_clock_counts_overlapping_spans_once_and_stays_bounded() -> None:
+    from types import SimpleNamespace
+
+    from asyncreduce.torch.data_parallel import _BusyClock
+
+    clock = _BusyClock()
+    for i in range(1000):  # spans [2i, 2i+1] and an overlapping [2i+0.5, 2i+1.5]
+        clock.add(SimpleNamespace(posted_at=2.0 * i, completed_at=2.0 * i + 1))  # type: ignore[arg-type]
+        clock.add(SimpleNamespace(posted_at=2.0 * i + 0.5, completed_at=2.0 * i + 1.5))  # type: ignore[arg-type]
+    assert clock.total == pytest.approx(1500.0)
+    assert len(clock._spans) <= 2 * clock._KEEP

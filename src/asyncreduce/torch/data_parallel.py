@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,7 @@ class DataParallel(nn.Module):
         self._forward_end = 0.0
         self._busy = _BusyClock()
         params = [p for p in module.parameters() if p.requires_grad]
+        self._params = params
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         _check_same_everywhere(comm, module)
         _broadcast_from_rank0(comm, params)
@@ -170,35 +171,21 @@ class DataParallel(nn.Module):
             self.timeline.add("step", "train", started, time.perf_counter())
 
     def _step(self) -> None:
-        if self.mode == "blocking" or self.mode == "backward":
-            for bucket in self._buckets:
-                self._post(bucket)
-            for bucket in self._buckets:
-                self._unpack(bucket)
-            assert self._optimizer is not None
-            self._optimizer.step()
-            self._clear(p for b in self._buckets for p in b.params)
-        elif self.mode == "forward":
-            for bucket in self._buckets:
-                self._post(bucket)
-            self._clear(p for b in self._buckets for p in b.params)  # kept in the buckets
-        else:
-            self._step_double_buffer()
-        self._generation += 1
-
-    def _step_double_buffer(self) -> None:
         for bucket in self._buckets:
-            self._post(bucket)
-        self._clear(p for b in self._buckets for p in b.params)
-        if self._generation > 0:
-            self._apply_previous()
+            self._post(bucket)  # what backward did not (every mode posts the same operations)
+        _clear(self._params)  # the gradients now live in the buckets' buffers
+        if self.mode in ("blocking", "backward"):
+            self._apply_all(oldest=False)
+        elif self.mode == "double_buffer" and self._generation > 0:
+            self._apply_all(oldest=True)  # the previous step's gradients: one step stale
+        self._generation += 1  # forward mode applies each layer's update before its next forward
 
-    def _apply_previous(self) -> None:
+    def _apply_all(self, oldest: bool) -> None:
         for bucket in self._buckets:
-            self._unpack(bucket, oldest=True)
+            self._unpack(bucket, oldest)
         assert self._optimizer is not None
         self._optimizer.step()
-        self._clear(p for b in self._buckets for p in b.params)
+        _clear(self._params)
 
     def synchronize(self) -> None:
         """Apply every pending gradient: parameters are final (checkpoint, evaluation, end)."""
@@ -206,7 +193,7 @@ class DataParallel(nn.Module):
             for bucket in self._buckets:
                 self._apply_pending(bucket)
         elif self.mode == "double_buffer" and any(b.posted for b in self._buckets):
-            self._apply_previous()
+            self._apply_all(oldest=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -242,9 +229,7 @@ class DataParallel(nn.Module):
         if bucket.posted_in == self._generation:
             return  # already posted this step
         if self.mode == "forward" and bucket.posted:
-            self._apply_pending(
-                bucket
-            )  # its layer was not run since: update it before reusing the buffer
+            self._apply_pending(bucket)  # its layer did not run since: update before reuse
         flat = bucket.flat(self._generation)
         offset, flags = 0, flat.numel() - len(bucket.params)
         with torch.no_grad():
@@ -277,10 +262,11 @@ class DataParallel(nn.Module):
                 f"allreduce {bucket.name}", "comm", request.posted_at, request.completed_at or ended
             )
         world = self._comm.world_size
-        offset, flags = 0, flat.numel() - len(bucket.params)
+        used = flat[flat.numel() - len(bucket.params) :].tolist()
+        offset = 0
         with torch.no_grad():
-            for i, p in enumerate(bucket.params):
-                if flat[flags + i].item() == 0.0:
+            for p, users in zip(bucket.params, used, strict=True):
+                if users == 0.0:
                     p.grad = None  # unused on every rank: as in single-process training
                 else:
                     p.grad = (flat[offset : offset + p.numel()] / world).view_as(p).clone()
@@ -288,40 +274,56 @@ class DataParallel(nn.Module):
 
     def _apply_pending(self, bucket: _Bucket) -> None:
         """forward mode: this layer is about to run; apply its pending update first."""
-        if not bucket.posted or not self._sync and not bucket.posted:
+        if not bucket.posted:
             return
         self._unpack(bucket)
         assert bucket.optimizer is not None
         bucket.optimizer.step()
-        self._clear(bucket.params)
-
-    @staticmethod
-    def _clear(params: Iterator[nn.Parameter] | list[nn.Parameter] | Any) -> None:
-        for p in params:
-            p.grad = None
+        _clear(bucket.params)
 
 
 # ---- helpers -----------------------------------------------------------------------------
 
 
+def _clear(params: Iterable[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = None
+
+
 class _BusyClock:
-    """Wall time during which at least one allreduce was in flight (overlaps counted once)."""
+    """Wall time during which at least one allreduce was in flight (overlaps counted once).
+
+    Spans are merged as they come, keeping only the last few unmerged, so a long training run
+    holds a bounded list; a span that starts before everything kept is rare (it would have to
+    be waited for far out of order) and only its overlap with merged time is counted twice.
+    """
+
+    _KEEP = 64
 
     def __init__(self) -> None:
         self._spans: list[tuple[float, float]] = []
+        self._merged = 0.0  # time of spans folded away
+        self._reach = float("-inf")  # end of the last folded span
 
     def add(self, request: Request[Any]) -> None:
-        end = request.completed_at or time.perf_counter()
-        self._spans.append((request.posted_at, end))
+        self._spans.append((request.posted_at, request.completed_at or time.perf_counter()))
+        if len(self._spans) > 2 * self._KEEP:
+            self._spans.sort()
+            old, self._spans = self._spans[: -self._KEEP], self._spans[-self._KEEP :]
+            self._merged, self._reach = _union(old, self._merged, self._reach)
 
     @property
     def total(self) -> float:
-        total, reach = 0.0, float("-inf")
-        for start, end in sorted(self._spans):
-            if end > reach:
-                total += end - max(start, reach)
-                reach = end
-        return total
+        return _union(sorted(self._spans), self._merged, self._reach)[0]
+
+
+def _union(spans: list[tuple[float, float]], total: float, reach: float) -> tuple[float, float]:
+    """Add the time covered by sorted ``spans`` beyond ``reach`` to ``total``."""
+    for start, end in spans:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total, reach
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()

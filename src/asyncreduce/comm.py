@@ -28,7 +28,7 @@ import numpy as np
 from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, build
 from .buffers import Buffer, as_buffer
 from .engine import Engine, Operation
-from .errors import UsageError
+from .errors import ClosedError, UsageError
 from .rendezvous import Store, gather, store_from_env_or_args
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
@@ -197,8 +197,6 @@ class Communicator:
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
         if self._closed:
-            from .errors import ClosedError
-
             raise ClosedError(f"{kind}: the communicator is closed")
         key = self._next_key(name)
         label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"

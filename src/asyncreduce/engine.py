@@ -32,7 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import Array, Collective, ProtocolError, Send
+from .algorithms import (
+    DTYPE_BY_CODE,
+    KINDS,
+    REDUCTION_CODES,
+    Array,
+    Collective,
+    ProtocolError,
+    Send,
+)
 from .errors import BrokenError, ClosedError, MismatchError
 from .request import Request
 from .transport.base import FrameSink, Transport
@@ -58,17 +66,9 @@ _SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before t
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
-_KIND_NAMES = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "reduce_scatter", 5: "barrier"}
-_DTYPE_NAMES = {
-    1: "float16",
-    2: "float32",
-    3: "float64",
-    4: "int32",
-    5: "int64",
-    6: "uint8",
-    7: "bfloat16",
-}
-_REDUCE_NAMES = {0: "", 1: "sum", 2: "avg", 3: "max", 4: "min", 5: "prod"}
+_KIND_NAMES = {code: name for name, code in KINDS.items()}
+_DTYPE_NAMES = {code: dtype.name for code, dtype in DTYPE_BY_CODE.items()}
+_REDUCE_NAMES = {0: "", **{code: name for name, code in REDUCTION_CODES.items()}}
 
 
 def describe(desc: Descriptor) -> str:
@@ -77,7 +77,7 @@ def describe(desc: Descriptor) -> str:
     parts.append(f"{_DTYPE_NAMES.get(desc.dtype, f'dtype {desc.dtype}')}[{desc.count}]")
     if _REDUCE_NAMES.get(desc.reduce):
         parts.append(_REDUCE_NAMES[desc.reduce])
-    if desc.kind == 2:
+    if desc.kind == KINDS["broadcast"]:
         parts.append(f"root={desc.root}")
     return " ".join(parts)
 

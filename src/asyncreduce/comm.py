@@ -27,7 +27,7 @@ import numpy as np
 
 from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, build
 from .buffers import Buffer, as_buffer
-from .engine import Engine, Operation
+from .engine import Engine, Operation, Settings
 from .errors import ClosedError, UsageError
 from .rendezvous import Store, gather, store_from_env_or_args
 from .request import CallbackRunner, Request
@@ -149,6 +149,34 @@ class Communicator:
         if self._engine is not None:
             self._engine.close()
         self._runner.close()
+
+    def abort(self, reason: str = "") -> None:
+        """Give up now, on every rank: pending requests here fail with BrokenError, every other
+        rank's communicator breaks within a heartbeat with ``reason`` (an ABORT frame), and
+        this one closes without waiting for anybody. Returns within about a second."""
+        self._closed = True
+        if self._engine is not None:
+            self._engine.abort(reason)
+        self._runner.close()
+
+    def flight_record(self) -> dict[str, Any]:
+        """The last operations of this rank as a JSON-ready dict (see ``asyncreduce.flight``)."""
+        if self._engine is None:
+            return {"rank": 0, "world_size": 1, "records": []}
+        return self._engine.flight.snapshot()
+
+    def dump_flight_record(self, path: str) -> str:
+        """Write ``flight_record()`` as JSON to ``path`` (a file or a directory); return the file.
+
+        ``asyncreduce culprit DIR`` reads every rank's dump and names what went wrong."""
+        if self._engine is None:
+            raise UsageError("a world of one records no operations")
+        return self._engine.flight.dump(path)
+
+    @property
+    def stall_reports(self) -> list[str]:
+        """The stall warnings this rank gave (ASYNCREDUCE_STALL_WARNING), newest last."""
+        return self._engine.stall_reports if self._engine is not None else []
 
     def __enter__(self) -> Communicator:
         return self
@@ -336,6 +364,7 @@ def init(
         raise UsageError(f"rank {rank} is not within a world of size {world_size}")
     if world_size == 1:
         return Communicator(0, 1, None)
+    settings = Settings.from_env()  # a bad value fails here, before anyone waits for us
     master_addr = master_addr or os.environ.get("MASTER_ADDR")
     master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
     if init_method is None and (master_addr is None or master_port is None):
@@ -363,6 +392,5 @@ def init(
             _leave_store(store, rank, world_size, deadline)
     finally:
         store.close()
-    peer_timeout = float(os.environ.get("ASYNCREDUCE_PEER_TIMEOUT", "30"))
-    engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), peer_timeout)
+    engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
     return Communicator(rank, world_size, engine)

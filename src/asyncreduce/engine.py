@@ -14,8 +14,17 @@ operation here and, through an ERROR frame, on every other rank, naming both sid
 
 An operation completes when its algorithm is done and every frame it sent has left (so the
 caller may reuse the buffer at once). Completing a request wakes its waiters; done-callbacks
-run elsewhere (see request.py). A lost peer breaks the engine: every pending request fails
-with ``BrokenError`` naming that peer, and so does every later post.
+run elsewhere (see request.py).
+
+Failure is sticky. The first failure (a lost or silent peer, a mismatch, a timeout, ``abort``)
+breaks the engine: every pending request fails with ``BrokenError`` chained to that cause, and
+so does every later post; an ABORT frame tells every other rank, whose engines break at once
+instead of waiting out a timeout. Heartbeats bound how long a frozen peer can go unnoticed.
+
+Frames for operations not posted here are held, up to ``held_bytes``; past that the sending
+peer is paused (its frames wait in its own queue and socket) unless an operation posted here
+waits on it, so that back-pressure can slow a fast rank down but never deadlock a slow one.
+The stall inspector (stall.py) and the flight recorder (flight.py) explain what stalls or fails.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,29 +51,35 @@ from .algorithms import (
     ProtocolError,
     Send,
 )
-from .errors import BrokenError, ClosedError, MismatchError
+from .errors import BrokenError, ClosedError, MismatchError, UsageError, ranks_phrase
+from .flight import FlightRecorder, Record
 from .request import Request
+from .stall import ASK, DONE, FAILED, NOT_POSTED, PENDING, StallInspector
 from .transport.base import FrameSink, Transport
 from .transport.frame import (
+    ABORT,
     DATA,
     ERROR,
     GOODBYE,
     HEARTBEAT,
+    INQUIRY,
     MAX_ERROR_BYTES,
     Descriptor,
     Header,
     pack_header,
 )
 
-__all__ = ["Engine", "Operation", "describe"]
+__all__ = ["Engine", "Operation", "Settings", "describe"]
 
 log = logging.getLogger("asyncreduce.engine")
 
 Key = tuple[bytes, int]
 _FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
+_ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 _SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before their operation
-_BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
+_NO_DESC = Descriptor(0, 0, 0, 0, 0)
+_BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, _NO_DESC)
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
@@ -82,6 +98,42 @@ def describe(desc: Descriptor) -> str:
     return " ".join(parts)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """How an engine watches over its peers; ``from_env`` reads the ASYNCREDUCE_* variables."""
+
+    peer_timeout: float = 30.0  # a rank silent this long (no frame, no heartbeat) is dead
+    stall_warning: float = 60.0  # warn about an operation pending this long (0: never)
+    held_bytes: int = 1 << 30  # frames held for operations not posted here, before pausing
+    flight_records: int = 1000  # operations the flight recorder keeps
+    flight_dir: str | None = None  # where the flight record is written when the engine breaks
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read ASYNCREDUCE_PEER_TIMEOUT, _STALL_WARNING, _HELD_BYTES, _FLIGHT_RECORDS and
+        _FLIGHT_DIR; a value that is not a number is an error naming the variable."""
+        return cls(
+            peer_timeout=_env_number("ASYNCREDUCE_PEER_TIMEOUT", cls.peer_timeout, float, 0.05),
+            stall_warning=_env_number("ASYNCREDUCE_STALL_WARNING", cls.stall_warning, float, 0),
+            held_bytes=_env_number("ASYNCREDUCE_HELD_BYTES", cls.held_bytes, int, 0),
+            flight_records=_env_number("ASYNCREDUCE_FLIGHT_RECORDS", cls.flight_records, int, 1),
+            flight_dir=os.environ.get("ASYNCREDUCE_FLIGHT_DIR") or None,
+        )
+
+
+def _env_number(name: str, default: Any, kind: type, least: float) -> Any:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= least:
+        raise UsageError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
+    return value
+
+
 @dataclass(eq=False)
 class Operation:
     """One posted operation, as the engine drives it."""
@@ -97,6 +149,9 @@ class Operation:
     unsent: int = 0
     deadline: float = field(default=0.0, init=False)
     age: int = field(default=0, init=False)  # start order here: older operations' frames first
+    posted_at: float = field(default_factory=time.time, init=False)  # wall clock, for the record
+    started: float = field(default=0.0, init=False)  # monotonic, for the stall inspector
+    record: Record | None = field(default=None, init=False)
 
 
 class _Spares:
@@ -133,16 +188,18 @@ class Engine(FrameSink):
         rank: int,
         world_size: int,
         make_transport: Callable[[FrameSink], Transport],
-        peer_timeout: float = 30.0,
+        settings: Settings | None = None,
     ) -> None:
-        """``peer_timeout``: a pending operation fails with TimeoutError once a rank it waits
-        on has sent nothing, not even a heartbeat, for this long (a stopped or cut-off peer)."""
+        """See ``Settings`` for what can be tuned."""
+        settings = settings or Settings()
+        self.settings = settings
         self.rank = rank
         self.world_size = world_size
         self._lock = threading.Lock()
         self._submitted: deque[Operation | None] = deque()
         self._closed = False
         self._broken: BaseException | None = None
+        self._aborting: str | None = None  # abort(reason) was asked for
         self._departed: dict[int, str] = {}  # peers that closed in good order
         self._stopping = False
         self._ops: dict[Key, Operation] = {}
@@ -153,10 +210,17 @@ class Engine(FrameSink):
         self._deadlines: list[tuple[float, int, Operation]] = []
         self._order = itertools.count()
         self._spares = _Spares(_SPARE_BYTES)
-        self._peer_timeout = peer_timeout
-        self._beat_every = min(1.0, peer_timeout / 4)
+        self._held = 0  # bytes of payload in self._unexpected
+        self._paused: set[int] = set()  # peers not read from, for back-pressure
+        self.held_peak = 0  # the most bytes ever held at once (tests and diagnostics)
+        self._peer_timeout = settings.peer_timeout
+        # A beat every 1/40 of the timeout (at most 1 s), and a peer counts as silent only once
+        # it missed a beat past the timeout: detection lands within ~2 beats after the timeout.
+        self._beat_every = min(1.0, max(0.02, settings.peer_timeout / 40))
         self._last_beat = time.monotonic()
         self._heard = {p: self._last_beat for p in range(world_size) if p != rank}
+        self._stall = StallInspector(rank, world_size, settings.stall_warning)
+        self.flight = FlightRecorder(rank, world_size, settings.flight_records)
         self.transport = make_transport(self)
         self._thread = threading.Thread(
             target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
@@ -189,9 +253,26 @@ class Engine(FrameSink):
         if self._thread is not threading.current_thread():
             self._thread.join()
 
+    def abort(self, reason: str = "") -> None:
+        """Break the communicator on every rank now and close it, within about 1 s: pending
+        requests fail with BrokenError, peers are told with an ABORT frame."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._aborting = reason or "abort() was called"
+                self._submitted.append(None)
+        self.transport.wakeup()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
     @property
     def broken(self) -> BaseException | None:
         return self._broken
+
+    @property
+    def stall_reports(self) -> list[str]:
+        """The stall warnings this rank gave, newest last."""
+        return list(self._stall.reports)
 
     # ---- the engine thread ---------------------------------------------------------------------
 
@@ -202,7 +283,8 @@ class Engine(FrameSink):
                 self.transport.poll(self._poll_timeout())
                 self._expire()
                 self._beat()
-            self._say_goodbye()
+                self._relieve()
+            self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
             self._break(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
@@ -211,12 +293,12 @@ class Engine(FrameSink):
         finally:
             self.transport.close()
 
-    def _say_goodbye(self) -> None:
+    def _say_goodbye(self, linger: float) -> None:
         """Closing handshake: GOODBYE to all, then read until every peer has closed too."""
         self._stopping = True
         reason = f"it was broken: {self._broken}" if self._broken is not None else ""
         self.transport.send_goodbye(reason.encode()[:MAX_ERROR_BYTES])
-        deadline = time.monotonic() + _LINGER
+        deadline = time.monotonic() + linger
         while self.transport.open_peers() and time.monotonic() < deadline:
             self.transport.poll(max(0.0, deadline - time.monotonic()))
 
@@ -236,12 +318,12 @@ class Engine(FrameSink):
                     return True
                 op = self._submitted.popleft()
             if op is None:
+                if self._aborting is not None:
+                    self._break(BrokenError(f"rank {self.rank} aborted: {self._aborting}"))
                 self._close_all()
                 return False
             if self._broken is not None:
-                self._fail(
-                    op, BrokenError(f"{op.label}: the communicator is broken: {self._broken}")
-                )
+                self._fail(op, _broken_by(op, self._broken))
             else:
                 self._start(op)
 
@@ -260,7 +342,8 @@ class Engine(FrameSink):
         return max(0.0, min(1.0, until_beat, until_deadline))
 
     def _beat(self) -> None:
-        """About once a second: tell every peer we are alive; fail what waits on a silent one."""
+        """Every beat: tell every peer we are alive; fail what waits on a silent one; ask about
+        stalled operations."""
         now = time.monotonic()
         if now - self._last_beat < self._beat_every:
             return
@@ -268,14 +351,42 @@ class Engine(FrameSink):
         for peer in self._heard:
             if peer not in self._departed:
                 self._send_control(peer, _BEAT, b"")
-        silent = {p for p, heard in self._heard.items() if now - heard > self._peer_timeout}
+        for peer in self._paused:
+            self._heard[peer] = now  # we stopped reading it, so its silence means nothing
+        limit = self._peer_timeout + self._beat_every
+        silent = {p for p, heard in self._heard.items() if now - heard > limit}
         for op in list(self._ops.values()):
             stuck = silent & op.algo.pending_sources
             if stuck:
-                why = f"{_ranks(stuck)} sent nothing for {self._peer_timeout:g} s"
+                why = f"{ranks_phrase(stuck)} sent nothing for {self._peer_timeout:g} s"
                 self._fail_everywhere(op, TimeoutError(
                     f"{op.label} failed on rank {self.rank}: {why}, not even a heartbeat "
                     "(stopped, or cut off?)"))  # fmt: skip
+        self._inspect_stalls(now)
+
+    def _inspect_stalls(self, now: float) -> None:
+        self._stall.overdue(now)
+        for op in list(self._ops.values()):
+            if self._stall.due(op.key, op.started, now):
+                self._stall.asked(op.key, op.label, op.started, now)
+                head = pack_header(INQUIRY, op.key[0], op.key[1], 0, ASK, 0, op.desc)
+                for peer in range(self.world_size):
+                    if peer != self.rank:
+                        self._send_control(peer, head, b"")
+
+    def _on_inquiry(self, peer: int, header: Header) -> None:
+        if header.seg != ASK:
+            self._stall.answered(header.key, peer, header.seg)
+            return
+        key = header.key
+        answer = (
+            PENDING if key in self._ops
+            else DONE if key in self._done
+            else FAILED if key in self._failed
+            else NOT_POSTED
+        )  # fmt: skip
+        head = pack_header(INQUIRY, key[0], key[1], 0, answer, 0, header.desc)
+        self._send_control(peer, head, b"")
 
     def _start(self, op: Operation) -> None:
         if self._departed:
@@ -287,11 +398,16 @@ class Engine(FrameSink):
             return
         self._ops[op.key] = op
         op.age = next(self._order)
+        op.started = time.monotonic()
+        op.record = self.flight.add(
+            Record(op.key[0].decode(errors="replace"), op.key[1], describe(op.desc),
+                   op.priority, op.posted_at)
+        )  # fmt: skip
         if op.timeout is not None:
             op.deadline = time.monotonic() + op.timeout
             heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))
         if self._guarded(op, op.algo.start):
-            for peer, header, payload in self._unexpected.pop(op.key, []):
+            for peer, header, payload in self._take_held(op.key):
                 accepted = self._accept(op, peer, header, payload)
                 self._spares.give(payload)
                 if not accepted:
@@ -326,11 +442,14 @@ class Engine(FrameSink):
             return
         del self._ops[op.key]
         self._remember_done(op)
+        self._stall.forget(op.key)
         try:
             value = op.result()
         except Exception as exc:
+            self._finish_record(op, exc)
             op.request.set_exception(exc)
             return
+        self._finish_record(op, None)
         op.request.completed_at = time.perf_counter()
         op.request.set_result(value)
 
@@ -339,6 +458,8 @@ class Engine(FrameSink):
         if self._ops.get(op.key) is op:
             del self._ops[op.key]
             self._remember_failed(op.key, error)
+            self._stall.forget(op.key)
+            self._finish_record(op, error)
             self.transport.drop(op)
             for peer, (landing, _) in list(self._landing.items()):
                 if landing is op:
@@ -346,6 +467,10 @@ class Engine(FrameSink):
                     del self._landing[peer]
         if not op.request.done():
             op.request.set_exception(error)
+
+    def _finish_record(self, op: Operation, error: BaseException | None) -> None:
+        if op.record is not None:
+            self.flight.finish(op.record, error)
 
     def _remember_done(self, op: Operation) -> None:
         """Keep the descriptor of a completed operation (bounded), to judge late frames for it."""
@@ -370,21 +495,17 @@ class Engine(FrameSink):
 
     def _remember_failed(self, key: Key, error: BaseException) -> None:
         self._failed[key] = error
-        self._unexpected.pop(key, None)
+        for _, _, payload in self._take_held(key):
+            self._spares.give(payload)
         while len(self._failed) > _FORGET_AFTER:
             self._failed.popitem(last=False)
 
     def _fail_everywhere(self, op: Operation, error: BaseException) -> None:
-        """Fail ``op`` here and tell every other rank to fail it the same way."""
+        """Fail ``op`` here, tell every other rank to fail it the same way; break the engine."""
         if self._ops.get(op.key) is not op:
             return
         self._fail(op, error)
-        message = str(error).encode()[:MAX_ERROR_BYTES]
-        code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
-        head = pack_header(ERROR, op.key[0], op.key[1], 0, code, len(message), op.desc)
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._send_control(peer, head, message)
+        self._break(error, (op.key, op.desc))
 
     def _send_control(self, peer: int, head: bytes, message: bytes) -> None:
         try:
@@ -397,17 +518,77 @@ class Engine(FrameSink):
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, op = heapq.heappop(self._deadlines)
             if self._ops.get(op.key) is op:
-                waiting = _ranks(op.algo.pending_sources)
+                waiting = ranks_phrase(op.algo.pending_sources)
                 self._fail_everywhere(op, TimeoutError(
                     f"{op.label} did not complete within its timeout of {op.timeout} s on "
                     f"rank {self.rank} (still waiting for {waiting})"))  # fmt: skip
 
-    def _break(self, error: BaseException) -> None:
+    def _break(self, error: BaseException, about: tuple[Key, Descriptor] | None = None) -> None:
+        """The first failure: fail everything pending (chained to ``error``), refuse new posts,
+        tell every peer, and write the flight record if asked to. If an operation failed first
+        (``about``), peers are told with an ERROR frame for it, so that it fails with the same
+        class everywhere; otherwise with an ABORT frame."""
         with self._lock:
-            if self._broken is None:
-                self._broken = error
+            if self._broken is not None:
+                return
+            self._broken = error
         for op in list(self._ops.values()):
-            self._fail(op, BrokenError(f"{op.label} failed: {error}"))
+            self._fail(op, _broken_by(op, error))
+        reason = str(error).encode()[:MAX_ERROR_BYTES]
+        if about is None:
+            head = pack_header(ABORT, b"", 0, 0, 0, len(reason), _NO_DESC)
+        else:
+            code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
+            (name, instance), desc = about
+            head = pack_header(ERROR, name, instance, 0, code, len(reason), desc)
+        for peer in self._heard:
+            if peer not in self._departed:
+                self._send_control(peer, head, reason)
+        self.flight.broken = f"{type(error).__name__}: {error}"
+        if self.settings.flight_dir:
+            try:
+                where = self.flight.dump(self.settings.flight_dir)
+                log.warning("rank %d broke; its flight record is in %s", self.rank, where)
+            except OSError as exc:
+                log.warning("rank %d could not write its flight record: %s", self.rank, exc)
+
+    # ---- back-pressure -------------------------------------------------------------------------
+
+    def _hold(self, peer: int, header: Header, payload: memoryview) -> None:
+        """Keep a frame for an operation not posted here; past the cap, pause its sender."""
+        self._unexpected.setdefault(header.key, []).append((peer, header, payload))
+        self._held += payload.nbytes
+        self.held_peak = max(self.held_peak, self._held)
+        cap = self.settings.held_bytes
+        if self._held > cap and peer not in self._paused and peer not in self._needed():
+            self._paused.add(peer)
+            self.transport.pause(peer)
+            log.debug("rank %d holds %d bytes: pausing rank %d", self.rank, self._held, peer)
+
+    def _take_held(self, key: Key) -> list[tuple[int, Header, memoryview]]:
+        held = self._unexpected.pop(key, [])
+        self._held -= sum(p.nbytes for _, _, p in held)
+        return held
+
+    def _needed(self) -> set[int]:
+        """Peers an operation posted here waits on, or sends to (it may need their credits)."""
+        needed: set[int] = set()
+        for op in self._ops.values():
+            if op.unsent:
+                return set(self._heard)
+            needed |= op.algo.pending_sources
+        return needed
+
+    def _relieve(self) -> None:
+        """Resume paused peers once below the cap, or as soon as something here needs them."""
+        if not self._paused:
+            return
+        needed = set() if self._held <= self.settings.held_bytes else self._needed()
+        for peer in list(self._paused):
+            if self._held <= self.settings.held_bytes or peer in needed:
+                self._paused.discard(peer)
+                self._heard[peer] = time.monotonic()
+                self.transport.resume(peer)
 
     # ---- FrameSink: called by the transport on this thread ---------------------------------
 
@@ -450,15 +631,15 @@ class Engine(FrameSink):
             return
         if self._stopping:
             return
-        if header.type == ERROR:
-            self._on_error_frame(peer, header, payload)
+        if header.type in (ERROR, ABORT, INQUIRY):
+            self._on_control(peer, header, payload)
             return
         op = self._ops.get(header.key)
         if op is None:
             if header.key in self._done:
                 self._late_frame(peer, header)
-            elif header.key not in self._failed:
-                self._unexpected.setdefault(header.key, []).append((peer, header, payload))
+            elif header.key not in self._failed and self._broken is None:
+                self._hold(peer, header, payload)
             return
         if landed is not None and landed[0] is op:
             target = landed[1]
@@ -483,14 +664,22 @@ class Engine(FrameSink):
             f"{describe(header.desc)}"))  # fmt: skip
         return False
 
-    def _on_error_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+    def _on_control(self, peer: int, header: Header, payload: memoryview) -> None:
+        if header.type == INQUIRY:
+            self._on_inquiry(peer, header)
+            return
+        text = bytes(payload).decode(errors="replace")
+        if header.type == ABORT:
+            self._break(BrokenError(f"rank {peer} broke ({text}), so this rank broke too"))
+            return
         cls = _ERROR_KINDS.get(header.seg, BrokenError)
-        error = cls(f"{bytes(payload).decode(errors='replace')} (reported by rank {peer})")
+        error = cls(f"{text} (reported by rank {peer})")
         op = self._ops.get(header.key)
         if op is not None:
             self._fail(op, error)
         else:
             self._remember_failed(header.key, error)
+        self._break(error, (header.key, header.desc))  # passed on: everyone fails it alike
 
     def _on_goodbye(self, peer: int, reason: str) -> None:
         """``peer`` closed in good order: fail what still needs it, on every rank (the others may
@@ -525,12 +714,11 @@ def _bytes_of(array: Array) -> memoryview:
     return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
-def _ranks(ranks: set[int]) -> str:
-    """``rank 3`` or ``ranks 1, 2`` (or ``no rank``) for messages."""
-    if not ranks:
-        return "no rank"
-    listed = ", ".join(map(str, sorted(ranks)))
-    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
+def _broken_by(op: Operation, cause: BaseException) -> BrokenError:
+    """The error of an operation that fails because the communicator broke: ``cause`` chained."""
+    error = BrokenError(f"{op.label} failed: the communicator is broken: {cause}")
+    error.__cause__ = cause
+    return error
 
 
 def _same_error(error: BaseException, message: str) -> BaseException:

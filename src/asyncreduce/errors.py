@@ -8,13 +8,27 @@ Every error asyncreduce raises is one of these (or the builtin ``TimeoutError``)
 * ``BrokenError``: something outside failed (a peer died, a connection dropped). The cause is
   chained; the communicator must be rebuilt.
 * ``MismatchError``: ranks disagree on an operation (kind, dtype, count, reduction, root). The
-  message shows both sides; the operation fails on every rank, the communicator stays usable.
-* ``TimeoutError`` (builtin): a deadline passed (rendezvous, a per-call ``timeout=``).
+  message shows both sides; the operation fails on every rank.
+* ``TimeoutError`` (builtin): a deadline passed (rendezvous, a per-call ``timeout=``, a peer
+  silent for ``ASYNCREDUCE_PEER_TIMEOUT``).
+
+Failure is sticky: after the first ``BrokenError``, ``MismatchError`` or ``TimeoutError`` of an
+operation, the communicator is broken on every rank, and every pending and later request fails
+with ``BrokenError`` whose ``__cause__`` is that first error. Build a new communicator.
 """
 
 from __future__ import annotations
 
-__all__ = ["AsyncReduceError", "UsageError", "ClosedError", "BrokenError", "MismatchError"]
+from collections.abc import Iterable
+
+__all__ = [
+    "AsyncReduceError",
+    "UsageError",
+    "ClosedError",
+    "BrokenError",
+    "MismatchError",
+    "ranks_phrase",
+]
 
 
 class AsyncReduceError(Exception):
@@ -35,3 +49,12 @@ class BrokenError(AsyncReduceError):
 
 class MismatchError(AsyncReduceError):
     """Ranks posted the same operation key with different parameters (both sides are named)."""
+
+
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 1, 2`` or ``no rank``: ranks named the same way in every message."""
+    listed = sorted(ranks)
+    if not listed:
+        return "no rank"
+    words = ", ".join(map(str, listed))
+    return f"rank {words}" if len(listed) == 1 else f"ranks {words}"

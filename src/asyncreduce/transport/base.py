@@ -84,5 +84,13 @@ class Transport(ABC):
         """How many connections are still open (closing waits for this to reach zero)."""
 
     @abstractmethod
+    def pause(self, peer: int) -> None:
+        """Back-pressure: deliver nothing more from ``peer`` (its sends then wait) until resumed."""
+
+    @abstractmethod
+    def resume(self, peer: int) -> None:
+        """Undo ``pause``: frames already received are delivered on the next poll."""
+
+    @abstractmethod
     def close(self) -> None:
         """Close every connection and descriptor this transport owns."""

@@ -11,7 +11,9 @@ tell at once whether both sides posted the same thing. A DATA frame carries a pi
 operation's buffer; an ERROR frame carries a UTF-8 message that fails the operation on the
 receiver too; a GOODBYE frame (no key) says the sender is closing in good order, and why;
 a CREDIT frame (no key; ``instance`` is a byte position) returns shared-memory arena space; a
-HEARTBEAT frame (empty) says the sender is alive even when it has nothing to send. A
+HEARTBEAT frame (empty) says the sender is alive even when it has nothing to send; an ABORT
+frame (no key) says the sender's communicator broke, and why, so the receiver's breaks too; an
+INQUIRY frame (a key, no payload; ``seg`` says question or answer) is the stall inspector's. A
 DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
@@ -28,6 +30,8 @@ __all__ = [
     "GOODBYE",
     "CREDIT",
     "HEARTBEAT",
+    "ABORT",
+    "INQUIRY",
     "FLAG_SHM",
     "with_flags",
     "Descriptor",
@@ -48,6 +52,9 @@ ERROR: Final = 2
 GOODBYE: Final = 3
 CREDIT: Final = 4
 HEARTBEAT: Final = 5  # "still here": sent to every peer about once a second
+ABORT: Final = 6  # "my communicator broke, and so must yours": the reason is the payload
+INQUIRY: Final = 7  # the stall inspector: "what do you know of this key?" and its answer
+_UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT)
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
@@ -110,7 +117,7 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT):
+    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT, ABORT, INQUIRY):
         raise FrameError(f"unknown frame type {ftype}")
     if flags & ~FLAG_SHM or (flags and ftype != DATA):
         raise FrameError(f"unknown flags {flags:#x} on a frame of type {ftype}")
@@ -119,10 +126,12 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
     limit = MAX_PAYLOAD_BYTES if ftype == DATA else MAX_ERROR_BYTES
     if payload_len > limit:
         raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
-    if ftype in (GOODBYE, CREDIT, HEARTBEAT):
-        if name_len or (ftype != GOODBYE and payload_len):
-            raise FrameError("GOODBYE, CREDIT and HEARTBEAT frames name no operation")
+    if ftype in _UNKEYED:
+        if name_len or (ftype in (CREDIT, HEARTBEAT) and payload_len):
+            raise FrameError("GOODBYE, CREDIT, HEARTBEAT and ABORT frames name no operation")
         return 0, Header(ftype, b"", instance, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
+    if ftype == INQUIRY and payload_len:
+        raise FrameError("an INQUIRY frame carries no payload")
     if step >= MAX_STEP or seg >= MAX_STEP:
         raise FrameError(f"step {step} / segment {seg} out of range")
     if kind not in _KIND_CODES or dtype not in _DTYPE_CODES or reduce not in _REDUCE_CODES:

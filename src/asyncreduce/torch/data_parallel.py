@@ -20,6 +20,11 @@ flat buffer holding its gradients followed by one "used" flag per parameter.
   before that layer's next forward (a forward pre-hook), so communication overlaps the rest of
   backward and the next forward; ``double_buffer`` applies the previous step's gradients (one
   step stale) while this step's travel. ``synchronize()`` applies whatever is pending.
+
+Devices. A bucket holds parameters of one device and dtype. CPU buckets are reduced in place
+(no copy); CUDA buckets travel through a pinned host twin of their buffer (one per buffer,
+allocated once) by the device's staging thread (staging.py), and every wait point above is a
+request ``wait()``, which orders this thread's current stream after the copy back.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ..comm import Communicator
 from ..errors import MismatchError, UsageError
 from ..request import Request
 from ..trace import Timeline
+from .staging import Stager, stager_for
 
 __all__ = ["DataParallel", "MODES"]
 
@@ -61,9 +67,14 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     posted: list[tuple[Request[Any], torch.Tensor]] = field(default_factory=list)  # oldest first
     posted_in: int = -1  # the last generation (step) this bucket was posted in
+    stager: Stager | None = None  # None: the buffers are on the CPU and reduced in place
+    hosts: list[torch.Tensor] = field(default_factory=list)  # with a stager: one per buffer
 
     def flat(self, generation: int) -> torch.Tensor:
         return self.buffers[generation % len(self.buffers)]
+
+    def host(self, generation: int) -> torch.Tensor:
+        return self.hosts[generation % len(self.hosts)]
 
 
 class DataParallel(nn.Module):
@@ -97,6 +108,8 @@ class DataParallel(nn.Module):
         self._forward_end = 0.0
         self._busy = _BusyClock()
         params = [p for p in module.parameters() if p.requires_grad]
+        for device in {p.device for p in params}:
+            stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
         self._params = params
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         _check_same_everywhere(comm, module)
@@ -118,9 +131,14 @@ class DataParallel(nn.Module):
         buckets = []
         for i, (module, group) in enumerate(groups):
             size = sum(p.numel() for p in group) + len(group)
-            buffers = [torch.zeros(size, dtype=group[0].dtype) for _ in range(copies)]
+            device, dtype = group[0].device, group[0].dtype
+            buffers = [torch.zeros(size, dtype=dtype, device=device) for _ in range(copies)]
             priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
-            buckets.append(_Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module))
+            bucket = _Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module)
+            bucket.stager = stager_for(self._comm, device)
+            if bucket.stager is not None:
+                bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
+            buckets.append(bucket)
         return buckets
 
     def _make_optimizers(
@@ -241,7 +259,14 @@ class DataParallel(nn.Module):
                     piece.copy_(p.grad.reshape(-1))
                 flat[flags + i] = 0.0 if p.grad is None else 1.0
                 offset += p.numel()
-        request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
+        request: Request[Any]
+        if bucket.stager is None:
+            request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
+        else:
+            host = bucket.host(self._generation)
+            request = bucket.stager.iallreduce(
+                flat, host, "sum", name=bucket.name, priority=bucket.priority
+            )
         bucket.posted.append((request, flat))
         bucket.posted_in = self._generation
         bucket.ready.clear()
@@ -252,7 +277,7 @@ class DataParallel(nn.Module):
             return
         request, flat = bucket.posted.pop(0 if oldest else -1)
         started = time.perf_counter()
-        request.wait()
+        request.wait()  # staged: also orders this thread's current stream after the copy back
         ended = time.perf_counter()
         self._exposed += ended - started
         self._busy.add(request)
@@ -346,29 +371,35 @@ def _checked(optimizer: Any, where: str) -> torch.optim.Optimizer:
 
 
 def _layer_groups(module: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-    """One group per module that owns trainable parameters directly, in registration order."""
+    """One group per module that owns trainable parameters directly, in registration order
+    (split by dtype and device: a bucket's buffer has one of each)."""
     groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
     seen: set[int] = set()
     for sub in module.modules():
         own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in own)
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in own:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        groups += [(sub, ps) for ps in by_dtype.values()]
+            by_kind.setdefault(_kind(p), []).append(p)
+        groups += [(sub, ps) for ps in by_kind.values()]
     return groups
+
+
+def _kind(p: nn.Parameter) -> tuple[torch.dtype, torch.device]:
+    return p.dtype, p.device
 
 
 def _size_groups(
     params: list[nn.Parameter], limit: int
 ) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-    """Runs of parameters in reverse registration order, up to ``limit`` bytes, one dtype each."""
+    """Runs of parameters in reverse registration order, up to ``limit`` bytes, one dtype and
+    one device each."""
     groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
     current: list[nn.Parameter] = []
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > limit or p.dtype != current[0].dtype):
+        if current and (size + nbytes > limit or _kind(p) != _kind(current[0])):
             groups.append((None, current))
             current, size = [], 0
         current.append(p)
@@ -402,10 +433,14 @@ def _check_same_everywhere(comm: Communicator, module: nn.Module) -> None:
 
 
 def _broadcast_from_rank0(comm: Communicator, params: list[nn.Parameter]) -> None:
+    """Rank 0's initial values everywhere (once, blocking: device parameters via a host copy)."""
     with torch.no_grad():
+        hosts = [p.data if p.device.type == "cpu" else p.detach().cpu() for p in params]
         requests = [
-            comm.ibroadcast(p.data, root=0, name=f"asyncreduce.dp.init{i}")
-            for i, p in enumerate(params)
+            comm.ibroadcast(h, root=0, name=f"asyncreduce.dp.init{i}") for i, h in enumerate(hosts)
         ]
         for r in requests:
             r.wait()
+        for p, h in zip(params, hosts, strict=True):
+            if p.device.type != "cpu":
+                p.copy_(h)

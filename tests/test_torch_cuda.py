@@ -1,0 +1,441 @@
+"""Tensors on a device: staged through host memory by a staging thread (asyncreduce.torch.staging).
+
+Two parts. The staging pipeline (wait for the producer's event, copy to the host, allreduce, copy
+back, complete) runs on every machine with ``HostDevice``, a CPU stand-in for a GPU registered
+as the adapter of "cpu" tensors inside the ranks: the communication is real (2 processes), only
+the device is the CPU. Its events are gates the test opens, so the test can hold a "kernel" in
+flight and see that nothing is copied before it ends. The CUDA tests run the same code on a
+real GPU (2 ranks, on one GPU if there is only one) and skip without one; scripts/gpu_check.sh
+runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import asyncreduce as ar  # noqa: E402
+import asyncreduce.torch as art  # noqa: E402
+from asyncreduce.torch import staging  # noqa: E402
+from spmd import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+
+SEED = 4321
+PER_RANK = 4
+STEPS = 10
+ATOL = 1e-5
+MODES = ("blocking", "backward", "forward", "double_buffer")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---- a small model trained on R ranks, and the same training in one process ----------------------
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc3(F.relu(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def batch(world: int, step: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(7_001 * (step + 1))
+    n = world * PER_RANK
+    return (
+        torch.randn(n, 10, generator=g, dtype=torch.float64),
+        torch.randn(n, 3, generator=g, dtype=torch.float64),
+    )
+
+
+def sgd(params: Any) -> Any:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def train(comm: ar.Communicator, mode: str, device: Any) -> dict[str, Any]:
+    """One rank's side: its shard of every step on ``device``; final parameters and buckets."""
+    rank, world = comm.rank, comm.world_size
+    torch.manual_seed(SEED + 31 * rank)  # only rank 0's values survive construction
+    module = MLP().double().to(device)
+    dp = art.DataParallel(module, comm, optimizer=sgd, mode=mode)
+    for t in range(STEPS):
+        x, y = batch(world, t)
+        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        F.mse_loss(dp(x[rows].to(device)), y[rows].to(device)).backward()
+        dp.step()
+    dp.synchronize()
+    buckets = dp._buckets
+    return {
+        "final": torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu().numpy(),
+        "staged": all(b.stager is not None for b in buckets),
+        "twins": all(
+            len(b.hosts) == len(b.buffers)
+            and all(h.data_ptr() != f.data_ptr() for h, f in zip(b.hosts, b.buffers, strict=True))
+            for b in buckets
+        ),
+        "pinned": all(h.is_pinned() for b in buckets for h in b.hosts),
+    }
+
+
+@functools.cache
+def reference(mode: str, world: int) -> Any:
+    """Single-process training on the whole batch (double_buffer: gradients one step late)."""
+    torch.manual_seed(SEED)
+    module = MLP().double()
+    optimizer = sgd(module.parameters())
+    pending: list[Any] | None = None
+
+    def apply(grads: list[Any]) -> None:
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g
+        optimizer.step()
+
+    for t in range(STEPS):
+        x, y = batch(world, t)
+        module.zero_grad(set_to_none=True)
+        F.mse_loss(module(x), y).backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        if mode != "double_buffer":
+            apply(grads)
+            continue
+        if pending is not None:
+            apply(pending)
+        pending = grads
+    if pending is not None:
+        apply(pending)
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
+
+
+def assert_matches(final: Any, mode: str, world: int, rank: int) -> None:
+    diff = np.abs(final - reference(mode, world))
+    assert diff.max() <= ATOL, f"rank {rank}, {mode}: max |got - reference| = {diff.max():.3g}"
+
+
+# ---- the CPU stand-in for a device -------------------------------------------------------------
+
+
+class HostDevice:
+    """A ``staging.Device`` whose "device" is the CPU. Its copies are done when they return, so a
+    stream is the staging thread itself and waiting on a stream is waiting in that thread.
+    Events are ``threading.Event``s, already set, except the producer's while ``gate`` is set:
+    then the producer's "kernel" is in flight until the test opens the gate. Every call is
+    logged with the thread that made it."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.gate: threading.Event | None = None
+        self.log: list[tuple[str, str]] = []
+
+    def _note(self, what: str) -> None:
+        self.log.append((what, threading.current_thread().name))
+
+    def enter(self) -> None:
+        self._note("enter")
+
+    def new_stream(self) -> Any:
+        self._note("new_stream")
+        return "stream"
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        self._note(f"use {stream}")
+        return contextlib.nullcontext()
+
+    def record(self, stream: Any | None) -> Any:
+        self._note(f"record {stream or 'current'}")
+        if stream is None and self.gate is not None:
+            return self.gate
+        event = threading.Event()
+        event.set()
+        return event
+
+    def wait(self, event: Any, stream: Any | None) -> None:
+        self._note(f"wait {stream or 'current'}")
+        if stream is not None:
+            assert event.wait(30), "the producer's event never happened"
+
+    def synchronize(self, event: Any) -> None:
+        self._note("synchronize")
+        assert event.wait(30)
+
+    def host_buffer(self, like: Any) -> Any:
+        return torch.full(like.shape, float("nan"), dtype=like.dtype)
+
+
+def body_cpu_staged(comm: ar.Communicator) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    rank = comm.rank
+    out: dict[str, Any] = {}
+
+    # without a registered adapter a CPU tensor goes straight to the communicator, in place
+    x = torch.full((4,), rank + 1.0)
+    got = art.iallreduce(comm, x, name="plain").wait(timeout=20)
+    out["plain"] = (got is x, x.tolist(), staging.stager_for(comm, x.device) is None)
+
+    device = HostDevice(torch.device("cpu"))
+    staging.STAGED["cpu"] = lambda d: device
+    try:
+        # a gradient still being "computed" when it is posted: nothing moves until it is done
+        stager = staging.stager_for(comm, torch.device("cpu"))
+        assert stager is not None
+        grad = torch.zeros(6, dtype=torch.float64)
+        host = stager.host_buffer(grad)
+        device.gate = threading.Event()
+        request = stager.iallreduce(grad, host, name="gated")
+        time.sleep(0.3)
+        out["before"] = (request.done(), bool(host.isnan().all()))
+        grad.copy_(torch.arange(6, dtype=torch.float64) * (rank + 1))  # the kernel ends ...
+        device.gate.set()  # ... and its event happens
+        got = request.wait(timeout=20)
+        out["gated"] = (got is grad, grad.tolist(), host.tolist(), list(device.log))
+        device.gate = None
+
+        unnamed = None
+        try:
+            art.iallreduce(comm, grad)
+        except ar.UsageError as exc:
+            unnamed = str(exc)
+        out["unnamed"] = unnamed
+
+        for mode in MODES:
+            out[mode] = train(comm, mode, "cpu")
+        out["threads"] = sorted({who for what, who in device.log if what.startswith("use")})
+    finally:
+        del staging.STAGED["cpu"]
+    return out
+
+
+_RESULTS: dict[str, Any] = {}
+
+
+def group(name: str, body: Any, timeout: float) -> dict[int, dict[str, Any]]:
+    """Run ``body`` on 2 ranks once per session; a failure is cached too (and fails every test)."""
+    if name not in _RESULTS:
+        try:
+            _RESULTS[name] = run_ranks(2, body, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised by every test that needs it
+            _RESULTS[name] = f"group {name!r} failed:\n{exc}"
+    if isinstance(_RESULTS[name], str):
+        pytest.fail(_RESULTS[name], pytrace=False)
+    return _RESULTS[name]
+
+
+def cpu_results() -> dict[int, dict[str, Any]]:
+    return group("cpu", body_cpu_staged, 90)
+
+
+# ---- the pipeline, with the CPU standing in for the device --------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_cpu_tensors_go_through_without_copies() -> None:
+    for rank, out in cpu_results().items():
+        same, values, unstaged = out["plain"]
+        assert same and unstaged, f"rank {rank}: the CPU tensor was not reduced in place"
+        assert values == [3.0] * 4, f"rank {rank}: {values}"
+
+
+@pytest.mark.timeout(120)
+def test_nothing_is_copied_before_the_producers_event() -> None:
+    for rank, out in cpu_results().items():
+        done, host_untouched = out["before"]
+        assert not done, f"rank {rank}: the request completed while its producer was running"
+        assert host_untouched, f"rank {rank}: the tensor was copied before its producer finished"
+
+
+@pytest.mark.timeout(120)
+def test_staged_allreduce_goes_through_the_host_buffer_in_order() -> None:
+    want = [3.0 * i for i in range(6)]  # arange * 1 + arange * 2
+    for rank, out in cpu_results().items():
+        same, grad, host, log = out["gated"]
+        assert same, f"rank {rank}: the result is not the tensor itself"
+        assert grad == want, f"rank {rank}: tensor {grad}"
+        assert host == want, f"rank {rank}: the reduction did not happen in the host buffer {host}"
+        staging_thread = "asyncreduce-staging-cpu"
+        entered = [who for what, who in log if what == "enter"]  # again after an idle spell
+        assert entered and set(entered) == {staging_thread}, f"rank {rank}: {log}"
+        log = [entry for i, entry in enumerate(log) if entry[0] != "enter" or i == log.index(entry)]
+        assert log == [
+            ("record current", "MainThread"),  # the producer's event, on its stream
+            ("enter", staging_thread),
+            ("new_stream", staging_thread),
+            ("wait stream", staging_thread),  # the staging stream waits for the producer
+            ("use stream", staging_thread),  # copy to the host
+            ("record stream", staging_thread),
+            ("synchronize", staging_thread),
+            ("use stream", staging_thread),  # after the allreduce: copy back
+            ("record stream", staging_thread),
+            ("synchronize", staging_thread),
+            ("wait current", "MainThread"),  # wait(): the consumer's stream after the copy back
+        ], f"rank {rank}: {log}"
+
+
+@pytest.mark.timeout(120)
+def test_staged_tensor_without_a_name_is_a_usage_error() -> None:
+    for rank, out in cpu_results().items():
+        assert out["unnamed"] is not None and "name=" in out["unnamed"], f"rank {rank}: {out}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_through_staging_matches_single_process(mode: str) -> None:
+    results = cpu_results()
+    for rank, out in results.items():
+        got = out[mode]
+        assert got["staged"] and got["twins"], f"rank {rank}: buckets were not staged: {got}"
+        assert_matches(got["final"], mode, 2, rank)
+    assert results[0][mode]["final"].tobytes() == results[1][mode]["final"].tobytes()
+    for rank, out in results.items():
+        assert out["threads"] == ["asyncreduce-staging-cpu"], f"rank {rank}: {out['threads']}"
+
+
+# ---- clear errors, in one process ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[ar.Communicator]:
+    with ar.init(rank=0, world_size=1) as comm:
+        yield comm
+
+
+def test_unsupported_device_is_a_usage_error() -> None:
+    with world_of_one() as comm:
+        with pytest.raises(ar.UsageError, match="meta.*supported: cpu.*cuda"):
+            art.iallreduce(comm, torch.empty(3, device="meta"), name="x")
+        with pytest.raises(ar.UsageError, match="meta.*supported: cpu.*cuda"):
+            art.DataParallel(nn.Linear(2, 2, device="meta"), comm, optimizer=sgd)
+        with pytest.raises(ar.UsageError, match="torch tensor"):
+            art.iallreduce(comm, np.zeros(3), name="x")
+
+
+def test_buckets_hold_one_device_each() -> None:
+    from asyncreduce.torch.data_parallel import _layer_groups, _size_groups
+
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(3))
+            self.b = nn.Parameter(torch.zeros(3, device="meta"))
+            self.c = nn.Parameter(torch.zeros(3))
+
+    module = Split()
+    groups = _size_groups(list(module.parameters()), 1 << 20)
+    devices = [[p.device.type for p in g] for _, g in groups]
+    assert devices == [["cpu"], ["meta"], ["cpu"]]
+    groups = _layer_groups(module)
+    assert sorted(sorted(p.device.type for p in g) for _, g in groups) == [["cpu", "cpu"], ["meta"]]
+
+
+# ---- CUDA --------------------------------------------------------------------------------------
+
+
+class ProbeCuda(staging.CudaDevice):
+    """The CUDA adapter, noting what the staging thread sees when it copies."""
+
+    seen: list[tuple[str, int, bool]] = []
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        @contextlib.contextmanager
+        def probed() -> Iterator[None]:
+            with staging.CudaDevice.use(self, stream):
+                current = torch.cuda.current_stream(self.device)
+                default = torch.cuda.default_stream(self.device)
+                ProbeCuda.seen.append(
+                    (
+                        threading.current_thread().name,
+                        torch.cuda.current_device(),
+                        current != default,
+                    )
+                )
+                yield
+
+        return probed()
+
+
+def body_cuda(comm: ar.Communicator) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    rank = comm.rank
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    staging.STAGED["cuda"] = ProbeCuda
+    out: dict[str, Any] = {"device": device.index}
+
+    for mode in MODES:
+        out[mode] = train(comm, mode, device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):  # the whole training loop on a side stream
+        out["backward-side"] = train(comm, "backward", device)
+
+    # a tensor produced on a side stream, still computing when it is posted
+    x = torch.zeros(1 << 20, device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)  # about a quarter of a second of GPU time
+        x.fill_(rank + 1.0)
+        request = art.iallreduce(comm, x, name="side")
+    request.wait(timeout=30)
+    out["side"] = sorted(set(x.cpu().tolist()))
+
+    try:
+        art.iallreduce(comm, x)
+        out["unnamed"] = None
+    except ar.UsageError as exc:
+        out["unnamed"] = str(exc)
+    out["seen"] = sorted(set(ProbeCuda.seen))
+    return out
+
+
+def cuda_results() -> dict[int, dict[str, Any]]:
+    return group("cuda", body_cuda, 240)
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [*MODES, "backward-side"])
+def test_cuda_data_parallel_matches_single_process(mode: str) -> None:
+    results = cuda_results()
+    for rank, out in results.items():
+        got = out[mode]
+        assert got["staged"] and got["twins"] and got["pinned"], f"rank {rank}: {got}"
+        assert_matches(got["final"], mode.split("-")[0], 2, rank)
+    assert results[0][mode]["final"].tobytes() == results[1][mode]["final"].tobytes()
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_staging_thread_has_the_device_and_its_own_stream() -> None:
+    for rank, out in cuda_results().items():
+        assert out["seen"], f"rank {rank}: nothing was staged"
+        for thread, current, own_stream in out["seen"]:
+            assert thread.startswith("asyncreduce-staging-cuda"), f"rank {rank}: {thread}"
+            assert current == out["device"], f"rank {rank}: current device {current}"
+            assert own_stream, f"rank {rank}: the staging thread copied on the default stream"
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_tensor_from_a_side_stream_is_waited_for() -> None:
+    for rank, out in cuda_results().items():
+        assert out["side"] == [3.0], f"rank {rank}: {out['side']} (1 + 2 expected everywhere)"
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_tensor_without_a_name_is_a_usage_error() -> None:
+    for rank, out in cuda_results().items():
+        assert out["unnamed"] is not None and "name=" in out["unnamed"], f"rank {rank}: {out}"

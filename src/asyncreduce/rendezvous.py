@@ -16,16 +16,24 @@ so a late answer is never read as the answer to another request. Clients are thr
 request and its response own one pooled connection, so a thread parked in ``get`` does not
 hold up another thread's ``set`` on the same client.
 
-Wire protocol (integers big-endian). A client opens with the 8 bytes ``ARSTORE1`` and the
-server echoes them. Then every request and every response is a frame::
+Wire protocol (integers big-endian). Without a secret, a client opens with the 8 bytes
+``ARSTORE1`` and the server echoes them. With a secret (see auth.py) the client opens with
+``ARSTOREA`` instead; the server answers ``ARSTOREA`` and its nonce, and the HMAC
+challenge-response runs before any frame is read (one extra round trip per connection). A
+server that gets the other greeting than the one it expects answers with its own and hangs up,
+so the client can say which side lacks the secret. The server reads at most 72 bytes from a
+connection before its handshake is done, and drops one that has not finished it within
+``_HANDSHAKE_SECONDS`` (at most ``_MAX_PENDING`` unfinished handshakes are kept: the oldest
+goes first). Then every request and every response is a frame::
 
     u32 length | u8 tag | field* ,   field = u32 length | bytes
 
 A request's tag is its command (SET key value, GET key, ADD key i64, CHECK key*, DELETE key);
 a response's tag is 0 (ok, with the result fields) or 1 (error, with a message). The server
 checks every length against a bound (keys 4096 bytes, values 64 MiB) before buffering it, and
-drops a connection that breaks the protocol (the first such event is logged at WARNING, later
-ones at DEBUG); other connections are unaffected.
+drops a connection that breaks the protocol (the first event of each cause is logged at
+WARNING, later ones at DEBUG); other connections are unaffected. Nothing received is ever
+unpickled or evaluated: keys and values are opaque bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import abc
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import selectors
@@ -48,6 +57,21 @@ from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TypeVar
 
+from asyncreduce.auth import (
+    ANSWER_BYTES,
+    FROM_ENV,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    REJECTED,
+    AuthenticationError,
+    ClientHandshake,
+    RejectionLog,
+    Secret,
+    SecretArg,
+    ServerHandshake,
+    resolve_secret,
+    warn_if_exposed,
+)
 from asyncreduce.errors import BrokenError, ClosedError, UsageError
 
 __all__ = [
@@ -65,7 +89,13 @@ _log = logging.getLogger("asyncreduce.rendezvous")
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
 
-_MAGIC = b"ARSTORE1"
+_MAGIC = b"ARSTORE1"  # the plain greeting (no secret)
+_MAGIC_AUTH = b"ARSTOREA"  # the greeting of a client that authenticates
+_CONTEXT = b"asyncreduce store v1"  # what the HMAC proofs of this protocol are bound to
+_HANDSHAKE_BYTES = len(_MAGIC) + ANSWER_BYTES  # the most a server buffers before the handshake
+_HANDSHAKE_SECONDS = 10.0  # an unfinished handshake is dropped after this long
+_MAX_PENDING = 256  # unfinished handshakes kept at once; the oldest goes when one more arrives
+_ACCEPT_PAUSE = 0.1  # seconds without accepting after accept() fails (e.g. out of descriptors)
 _U32 = struct.Struct("!I")
 _I64 = struct.Struct("!q")
 _MAX_FRAME = 1 + 2 * _U32.size + MAX_KEY_BYTES + MAX_VALUE_BYTES
@@ -105,6 +135,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release this store's resources; idempotent."""
+
+    def _diagnosis(self) -> str:
+        """What the store saw that may explain a rank missing a rendezvous ("" if nothing)."""
+        return ""
 
     def __enter__(self: _S) -> _S:
         return self
@@ -230,17 +264,25 @@ def _valid_key(key: bytes) -> bytes:
 # ---------------------------------------------------------------- server
 
 
+_GREETING, _ANSWER, _READY = "greeting", "answer", "ready"  # where a connection's handshake is
+
+
 class _Conn:
     """One client connection, as the server thread sees it."""
 
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "greeted", "waiting_for", "events", "closed")
+    __slots__ = (
+        "sock", "peer", "inbuf", "outbuf", "state", "auth", "deadline", "waiting_for", "events",
+        "closed",
+    )  # fmt: skip
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.greeted = False
+        self.state = _GREETING
+        self.auth: ServerHandshake | None = None
+        self.deadline = deadline  # for the handshake only
         self.waiting_for: bytes | None = None  # key of a parked GET
         self.events = selectors.EVENT_READ
         self.closed = False
@@ -249,7 +291,7 @@ class _Conn:
 class _StoreServer:
     """The selector loop behind ``TCPStore(is_server=True)``; all state lives in its thread."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, secret: Secret | None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -259,6 +301,8 @@ class _StoreServer:
                 "(is MASTER_PORT used by another job? is MASTER_ADDR an address of this host?)"
             ) from exc
         self.port: int = self._listener.getsockname()[1]
+        warn_if_exposed(host, self.port, "rendezvous store", secret)
+        self._secret = secret
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -268,6 +312,8 @@ class _StoreServer:
         self._data: dict[bytes, bytes] = {}
         self._waiters: dict[bytes, list[_Conn]] = {}
         self._conns: set[_Conn] = set()
+        self._pending: dict[_Conn, None] = {}  # handshake not finished; oldest first
+        self._accept_paused_until: float | None = None
         self._ready: deque[_Conn] = deque()
         self._handlers: dict[int, Callable[[_Conn, list[bytes]], None]] = {
             _SET: self._do_set,
@@ -277,7 +323,7 @@ class _StoreServer:
             _DELETE: self._do_delete,
         }
         self._stopping = False
-        self._warned = False
+        self.rejections = RejectionLog(_log, "store server")
         self._thread = threading.Thread(target=self._run, name="asyncreduce-store", daemon=True)
         self._thread.start()
 
@@ -296,12 +342,33 @@ class _StoreServer:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, mask in self._selector.select():
+                for key, mask in self._selector.select(self._next_timeout()):
                     self._dispatch(key.data, mask)
                 while self._ready and not self._stopping:
                     self._serve(self._ready.popleft())
+                self._on_clock()
         finally:
             self._close_everything()
+
+    def _next_timeout(self) -> float | None:
+        """Seconds until the next handshake deadline or accept resumption (None: no timer)."""
+        times = [conn.deadline for conn in itertools.islice(self._pending, 1)]
+        if self._accept_paused_until is not None:
+            times.append(self._accept_paused_until)
+        return max(0.0, min(times) - time.monotonic()) if times else None
+
+    def _on_clock(self) -> None:
+        """Drop handshakes past their deadline; accept again after a pause."""
+        now = time.monotonic()
+        while self._pending:
+            conn = next(iter(self._pending))
+            if conn.deadline > now:
+                break
+            limit = f"not finished within {_HANDSHAKE_SECONDS:g} s"
+            self._reject(conn, "handshake timed out", limit)
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
 
     def _dispatch(self, data: object, mask: int) -> None:
         try:
@@ -330,13 +397,20 @@ class _StoreServer:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
-                _log.warning("store server: accept failed: %s", exc)
+            except OSError as exc:  # e.g. out of file descriptors: pause rather than spin
+                self.rejections.reject("accept failed", "a new client", str(exc))
+                self._selector.unregister(self._listener)
+                self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE
                 return
+            if len(self._pending) >= _MAX_PENDING:
+                oldest = next(iter(self._pending))
+                self._reject(oldest, "too many unfinished handshakes", "dropped the oldest")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, _address(str(addr[0]), int(addr[1])))
+            peer = _address(str(addr[0]), int(addr[1]))
+            conn = _Conn(sock, peer, time.monotonic() + _HANDSHAKE_SECONDS)
             self._conns.add(conn)
+            self._pending[conn] = None
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _on_conn_event(self, conn: _Conn, mask: int) -> None:
@@ -348,13 +422,20 @@ class _StoreServer:
             self._receive(conn)
 
     def _receive(self, conn: _Conn) -> None:
+        # Before its handshake is done a connection gets a few bytes of buffer, not megabytes.
+        room = _RECV_CHUNK if conn.state == _READY else _HANDSHAKE_BYTES - len(conn.inbuf)
+        if room <= 0:
+            self._violation(conn, "sent more than the handshake before it finished")
+            return
         try:
-            chunk = conn.sock.recv(_RECV_CHUNK)
+            chunk = conn.sock.recv(room)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             chunk = b""
-        if not chunk:  # the client left; that is its right
+        if not chunk:  # the client left; that is its right, unless it was asked to prove itself
+            if conn.state == _ANSWER:
+                self._reject(conn, "no answer", "left before answering the challenge")
             self._drop(conn)
             return
         conn.inbuf += chunk
@@ -372,14 +453,9 @@ class _StoreServer:
     def _parse(self, conn: _Conn) -> None:
         """Execute the complete requests in ``conn.inbuf``, one answer in flight at a time."""
         while not conn.closed and conn.waiting_for is None and not conn.outbuf:
-            if not conn.greeted:
-                if len(conn.inbuf) < len(_MAGIC):
+            if conn.state != _READY:
+                if not self._handshake(conn):
                     return
-                if conn.inbuf[: len(_MAGIC)] != _MAGIC:
-                    raise _ProtocolError(f"bad greeting {bytes(conn.inbuf[:8])!r}")
-                del conn.inbuf[: len(_MAGIC)]
-                conn.greeted = True
-                self._send(conn, _MAGIC)
                 continue
             if len(conn.inbuf) < _U32.size:
                 return
@@ -393,17 +469,66 @@ class _StoreServer:
                 raise _ProtocolError(f"unknown command {body[0]}")
             handler(conn, _decode_fields(body[1:]))
 
+    # -- the handshake (see the module docstring and auth.py)
+
+    def _handshake(self, conn: _Conn) -> bool:
+        """Take the next handshake step if its bytes are here; False if it must wait (or ended)."""
+        if conn.state == _GREETING:
+            if len(conn.inbuf) < len(_MAGIC):
+                return False
+            greeting = bytes(conn.inbuf[: len(_MAGIC)])
+            del conn.inbuf[: len(_MAGIC)]
+            self._on_greeting(conn, greeting)
+            return not conn.closed
+        if len(conn.inbuf) < ANSWER_BYTES:
+            return False
+        answer = bytes(conn.inbuf[:ANSWER_BYTES])
+        del conn.inbuf[:ANSWER_BYTES]
+        assert conn.auth is not None
+        proof = conn.auth.check(answer)
+        if proof is None:
+            self._send(conn, REJECTED)
+            self._reject(conn, "wrong or replayed secret", "its answer did not prove the secret")
+            return False
+        self._admit(conn, proof)
+        return True
+
+    def _on_greeting(self, conn: _Conn, greeting: bytes) -> None:
+        if greeting == _MAGIC and self._secret is None:
+            self._admit(conn, _MAGIC)
+        elif greeting == _MAGIC_AUTH and self._secret is not None:
+            conn.auth = ServerHandshake(self._secret, _CONTEXT)
+            conn.state = _ANSWER
+            self._send(conn, _MAGIC_AUTH + conn.auth.nonce)
+        elif greeting == _MAGIC:  # tell the client we want a secret, then hang up
+            self._send(conn, _MAGIC_AUTH + bytes(NONCE_BYTES))
+            self._reject(conn, "no secret", "the client does not authenticate; this store does")
+        elif greeting == _MAGIC_AUTH:  # tell the client we have no secret, then hang up
+            self._send(conn, _MAGIC)
+            self._reject(conn, "unexpected secret", "the client authenticates; this store has none")
+        else:
+            raise _ProtocolError(f"bad greeting {greeting!r}")
+
+    def _admit(self, conn: _Conn, reply: bytes) -> None:
+        conn.state = _READY
+        conn.auth = None
+        self._pending.pop(conn, None)
+        self._send(conn, reply)
+
     def _violation(self, conn: _Conn, reason: str) -> None:
-        level = logging.DEBUG if self._warned else logging.WARNING
-        note = "" if self._warned else " (further protocol errors are logged at DEBUG level)"
-        self._warned = True
-        _log.log(level, "store server: dropping connection from %s: %s%s", conn.peer, reason, note)
-        self._drop(conn)
+        self._reject(conn, "protocol error", reason)
+
+    def _reject(self, conn: _Conn, cause: str, detail: str) -> None:
+        """Drop ``conn``, logging the first drop of each cause at WARNING and the rest at DEBUG."""
+        if not conn.closed:
+            self.rejections.reject(cause, conn.peer, detail)
+            self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
+        self._pending.pop(conn, None)
         if conn.waiting_for is not None:
             waiters = self._waiters.get(conn.waiting_for, [])
             with contextlib.suppress(ValueError):
@@ -527,19 +652,39 @@ def _read_frame(sock: socket.socket, deadline: float) -> tuple[int, list[bytes]]
     return body[0], _decode_fields(body[1:])
 
 
-def _greet(sock: socket.socket, deadline: float) -> None:
+def _greet(sock: socket.socket, deadline: float, secret: Secret | None, where: str) -> None:
+    """Open a connection: the plain greeting, or the greeting and the challenge-response."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _send_all(sock, _MAGIC, deadline)
+    _send_all(sock, _MAGIC if secret is None else _MAGIC_AUTH, deadline)
     answer = _recv_exact(sock, len(_MAGIC), deadline)
-    if answer != _MAGIC:
+    if answer == _MAGIC_AUTH and secret is None:
+        raise AuthenticationError(
+            f"the store at {where} requires authentication, but this rank has no secret: "
+            "set ASYNCREDUCE_SECRET (or ASYNCREDUCE_SECRET_FILE) to the job's secret"
+        )
+    if answer == _MAGIC and secret is not None:
+        raise AuthenticationError(
+            f"the store at {where} does not authenticate, but this rank has a secret "
+            "(ASYNCREDUCE_SECRET or ASYNCREDUCE_SECRET_FILE): set the same secret on every "
+            "rank, or on none"
+        )
+    if answer not in (_MAGIC, _MAGIC_AUTH):
         raise _WrongPeer(answer)
+    if secret is not None:
+        handshake = ClientHandshake(secret, _CONTEXT)
+        _send_all(sock, handshake.answer(_recv_exact(sock, NONCE_BYTES, deadline)), deadline)
+        handshake.check(_recv_exact(sock, PROOF_BYTES, deadline), f"the store at {where}")
 
 
-def _connect(host: str, port: int, timeout: float) -> socket.socket:
-    """A greeted connection to the store, retrying until ``timeout`` (it may start later)."""
+def _connect(host: str, port: int, timeout: float, secret: Secret | None) -> socket.socket:
+    """A greeted (and authenticated) connection to the store, retrying until ``timeout``.
+
+    Retries because the server may start later; an AuthenticationError is not retried.
+    """
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: OSError | None = None
+    where = _address(host, port)
     while (remaining := deadline - time.monotonic()) > 0:
         try:
             sock = socket.create_connection((host, port), timeout=min(remaining, 5.0))
@@ -547,21 +692,24 @@ def _connect(host: str, port: int, timeout: float) -> socket.socket:
             last = exc
         else:
             try:
-                _greet(sock, deadline)
+                _greet(sock, deadline, secret, where)
                 return sock
             except _WrongPeer as exc:
                 sock.close()
                 raise UsageError(
-                    f"the service at {_address(host, port)} is not an asyncreduce store "
+                    f"the service at {where} is not an asyncreduce store "
                     f"(it answered {exc.args[0]!r}); is MASTER_PORT right?"
                 ) from None
             except OSError as exc:
                 sock.close()
                 last = exc
+            except BaseException:
+                sock.close()
+                raise
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 0.5)
     raise TimeoutError(
-        f"could not reach the store at {_address(host, port)} within {timeout:g} s "
+        f"could not reach the store at {where} within {timeout:g} s "
         "(is rank 0 running? is MASTER_ADDR/MASTER_PORT right?)"
     ) from last
 
@@ -574,12 +722,13 @@ class _Client:
     holds up another thread's ``set`` on the same client.
     """
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, timeout: float, secret: Secret | None) -> None:
         self._host = host
         self._port = port
         self._timeout = timeout
+        self._secret = secret
         self._lock = threading.Lock()  # guards the pool and the flags below
-        self._idle: list[socket.socket] = [_connect(host, port, timeout)]
+        self._idle: list[socket.socket] = [_connect(host, port, timeout, secret)]
         self._busy: set[socket.socket] = set()
         self._broken: BaseException | None = None
         self._closed = False
@@ -633,7 +782,7 @@ class _Client:
                 sock = self._idle.pop()
                 self._busy.add(sock)
                 return sock
-        sock = _connect(self._host, self._port, self._timeout)
+        sock = _connect(self._host, self._port, self._timeout, self._secret)
         with self._lock:
             if self._closed:
                 sock.close()
@@ -674,27 +823,47 @@ class TCPStore(Store):
     also keeps a client connection to itself, so every rank uses the store the same way.
     A client retries connecting until ``timeout``, since the server may start later.
     ``timeout`` is also the default deadline of ``get`` and of every other request.
+
+    ``secret`` (default: read ``ASYNCREDUCE_SECRET`` / ``ASYNCREDUCE_SECRET_FILE``) turns on
+    authentication: every connection then proves the secret both ways before any request is
+    read, and a server or client that disagrees about it fails with AuthenticationError.
+    Without a secret the server warns when ``host`` is a wildcard (all interfaces).
     """
 
     port: int
 
-    def __init__(self, host: str, port: int, *, is_server: bool, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        is_server: bool,
+        timeout: float = 30.0,
+        secret: SecretArg = FROM_ENV,
+    ) -> None:
         _check_timeout(timeout)
         _check_port(port, allow_zero=is_server)
+        key = resolve_secret(secret)
         self.host = host
+        self.authenticated = key is not None
         self._timeout = timeout
         self._server: _StoreServer | None = None
         if not is_server:
             self.port = port
-            self._client = _Client(host, port, timeout)
+            self._client = _Client(host, port, timeout, key)
             return
-        self._server = _StoreServer(host, port)
+        self._server = _StoreServer(host, port, key)
         self.port = self._server.port
         try:
-            self._client = _Client(_loopback_for(host), self.port, timeout)
+            self._client = _Client(_loopback_for(host), self.port, timeout, key)
         except BaseException:
             self._server.stop()
             raise
+
+    def __repr__(self) -> str:
+        role = "server" if self._server is not None else "client"
+        auth = "authenticated" if self.authenticated else "unauthenticated"
+        return f"<TCPStore {role} {_address(self.host, self.port)} {auth}>"
 
     def set(self, key: str, value: bytes) -> None:
         fields = [_key_bytes(key), _value_bytes(value)]
@@ -735,6 +904,11 @@ class TCPStore(Store):
         server, self._server = self._server, None
         if server is not None:
             server.stop()
+
+    def _diagnosis(self) -> str:
+        server = self._server
+        summary = server.rejections.summary() if server is not None else ""
+        return f"the store {summary}, see its warnings" if summary else ""
 
     def _call(self, op: int, fields: Sequence[bytes], answers: int, what: str) -> list[bytes]:
         on_timeout = f"{what}: no answer from the store at {_address(self.host, self.port)}"
@@ -892,9 +1066,11 @@ def gather(
     except TimeoutError:
         missing = [r for r, present in enumerate(store.check(keys)) if not present]
         if missing:
+            hint = store._diagnosis()
             raise TimeoutError(
                 f"rendezvous {prefix!r}: waited {timeout:.1f} s; "
                 f"{_describe_ranks(missing)} never joined (world_size={world_size})"
+                + (f"; {hint}" if hint else "")
             ) from None
     # Everyone arrived just as the deadline passed: the values are all there now.
     return [store.get(key, timeout=max(timeout, 1.0)) for key in keys]

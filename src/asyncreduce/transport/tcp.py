@@ -3,7 +3,8 @@
 Theory of operation. ``connect_mesh`` builds the full mesh once: every rank listens, publishes
 its address through the rendezvous store, connects to every lower rank and accepts every
 higher one. Each connection opens with a HELLO (magic, version, rank, world size, job token)
-that the acceptor checks and echoes; anything else is dropped.
+that the acceptor checks and echoes; anything else is dropped. With a shared secret an HMAC
+challenge-response comes first (see the notes above ``connect_mesh`` and auth.py).
 
 ``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
 queues the rest; a peer's queue is a heap on (-priority, age, order): a frame of a more urgent

@@ -45,7 +45,7 @@ LOCAL = "127.0.0.1"
 SECRET = "s3cret-" + secrets.token_hex(8)  # distinctive, so a leak is easy to find
 OTHER = "0ther-" + secrets.token_hex(8)
 SCALE = int(os.environ.get("ASYNCREDUCE_FUZZ_SCALE", "1"))
-JOB_TIMEOUT = 3.0  # init timeout in the failing jobs: the side that cannot tell waits this long
+JOB_TIMEOUT = 5.0  # init timeout in the failing jobs: the side that cannot tell waits this long
 MAGIC, MAGIC_AUTH = b"ARSTORE1", b"ARSTOREA"
 _CTX = mp.get_context("spawn")
 
@@ -207,13 +207,14 @@ def test_a_rank_that_disagrees_about_the_secret_fails_the_job_fast(
     (outcome1, message1, repr1), seconds1, logs1 = results[1]
     assert outcome1 == "AuthenticationError", message1
     assert "authenticat" in message1 and "ASYNCREDUCE_SECRET" in message1
-    assert seconds1 < 2.0  # the side that can tell fails at once: no retry, no waiting
+    assert seconds1 < JOB_TIMEOUT - 2.0  # the side that can tell fails at once: no waiting
     (outcome0, message0, repr0), seconds0, logs0 = results[0]
     assert outcome0 == "TimeoutError", message0  # rank 0 cannot tell: it waits for rank 1
     assert "1 never" in message0 and f"dropped 1 connection ({CAUSE[case]}: 1)" in message0
     assert seconds0 < JOB_TIMEOUT + 2.0
     assert logs0.count("dropping connection from 127.0.0.1:") == 1
     assert leaks(message0, message1, repr0, repr1, logs0, logs1) == []
+    print(f"\nAUTH {plane} {case}: rank 1 failed in {seconds1:.2f} s, rank 0 in {seconds0:.2f} s")
 
 
 # ---------------------------------------------------------------- the data plane, in threads

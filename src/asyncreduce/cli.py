@@ -10,6 +10,9 @@ so that the console script and ``python -m asyncreduce`` both end with ``SystemE
 hands everything from the program on to it untouched: options after the program name are the
 program's, not ours, and a ``--`` before the program is optional. See ``asyncreduce.launch``.
 
+``asyncreduce culprit DIR|FILE...`` reads flight-record dumps (see ``asyncreduce.flight``) of
+the ranks of one job and prints what went wrong first; it exits 1 when it found something.
+
 ``asyncreduce bench args...`` imports ``asyncreduce.bench`` only when asked, so the launcher
 never pays for (or breaks on) the benchmark's imports, and passes it the rest of the line
 verbatim (``--help`` included: the benchmark owns its options).
@@ -46,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(commands)
+    culprit = commands.add_parser(
+        "culprit",
+        help="name what went wrong, from the ranks' flight records",
+        description="Read the flight records that ranks dumped (ASYNCREDUCE_FLIGHT_DIR, or "
+        "Communicator.dump_flight_record) and name operations that some ranks posted and "
+        "others did not, ranks that disagree on an operation, and the first failure.",
+    )
+    culprit.add_argument("paths", nargs="+", help="flight-rank*.json files or their directory")
     # Listed for --help only: main() hands "bench ..." to asyncreduce.bench before parsing.
     commands.add_parser("bench", help="run the benchmarks (asyncreduce.bench)")
     return parser
@@ -71,6 +82,8 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "culprit":
+        return _culprit(args.paths)
     program: list[str] = list(args.program)
     if program[:1] == ["--"]:
         program = program[1:]
@@ -83,6 +96,21 @@ def _run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         grace=args.grace,
     )
+
+
+def _culprit(paths: list[str]) -> int:
+    from asyncreduce.flight import culprit, load_dumps
+
+    try:
+        dumps = load_dumps(paths)
+    except (OSError, ValueError) as exc:
+        print(f"asyncreduce culprit: {exc}", file=sys.stderr)
+        return 2
+    findings = culprit(dumps)
+    for line in findings:
+        print(line)
+    clean = findings == ["every rank posted the same operations and none failed"]
+    return 0 if clean else 1
 
 
 def _bench(rest: Sequence[str]) -> int:

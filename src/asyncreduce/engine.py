@@ -21,9 +21,12 @@ breaks the engine: every pending request fails with ``BrokenError`` chained to t
 so does every later post; an ABORT frame tells every other rank, whose engines break at once
 instead of waiting out a timeout. Heartbeats bound how long a frozen peer can go unnoticed.
 
-Frames for operations not posted here are held, up to ``held_bytes``; past that the sending
-peer is paused (its frames wait in its own queue and socket) unless an operation posted here
-waits on it, so that back-pressure can slow a fast rank down but never deadlock a slow one.
+Frames for operations not posted here are held, up to ``held_bytes``. Past that, this rank
+sends the peer a FLOW "hold" frame and then a POSTED inquiry for each operation it has posted
+(and for each one it posts later): the peer keeps the frames of other operations in its own
+memory (the caller's buffers, no copy) until this rank posts them, or sends "resume" once it
+holds half as much. The connection itself is never paused, so what this rank waits for is never
+stuck behind what it cannot take: back-pressure slows a fast rank down, it cannot deadlock.
 The stall inspector (stall.py) and the flight recorder (flight.py) explain what stalls or fails.
 """
 
@@ -54,12 +57,13 @@ from .algorithms import (
 from .errors import BrokenError, ClosedError, MismatchError, UsageError, ranks_phrase
 from .flight import FlightRecorder, Record
 from .request import Request
-from .stall import ASK, DONE, FAILED, NOT_POSTED, PENDING, StallInspector
+from .stall import ASK, DONE, FAILED, NOT_POSTED, PENDING, POSTED, StallInspector
 from .transport.base import FrameSink, Transport
 from .transport.frame import (
     ABORT,
     DATA,
     ERROR,
+    FLOW,
     GOODBYE,
     HEARTBEAT,
     INQUIRY,
@@ -80,6 +84,8 @@ _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 _SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before their operation
 _NO_DESC = Descriptor(0, 0, 0, 0, 0)
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, _NO_DESC)
+_HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, _NO_DESC)
+_RESUME = pack_header(FLOW, b"", 0, 0, 0, 0, _NO_DESC)
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
@@ -211,7 +217,9 @@ class Engine(FrameSink):
         self._order = itertools.count()
         self._spares = _Spares(_SPARE_BYTES)
         self._held = 0  # bytes of payload in self._unexpected
-        self._paused: set[int] = set()  # peers not read from, for back-pressure
+        self._holding: set[int] = set()  # peers told to hold back frames we did not post
+        self._held_off: dict[int, set[Key]] = {}  # peers that told us so: keys they posted since
+        self._deferred: dict[int, list[tuple[Operation, bytes, memoryview]]] = {}  # kept back
         self.held_peak = 0  # the most bytes ever held at once (tests and diagnostics)
         self._peer_timeout = settings.peer_timeout
         # A beat every 1/40 of the timeout (at most 1 s), and a peer counts as silent only once
@@ -351,8 +359,6 @@ class Engine(FrameSink):
         for peer in self._heard:
             if peer not in self._departed:
                 self._send_control(peer, _BEAT, b"")
-        for peer in self._paused:
-            self._heard[peer] = now  # we stopped reading it, so its silence means nothing
         limit = self._peer_timeout + self._beat_every
         silent = {p for p, heard in self._heard.items() if now - heard > limit}
         for op in list(self._ops.values()):
@@ -375,6 +381,12 @@ class Engine(FrameSink):
                         self._send_control(peer, head, b"")
 
     def _on_inquiry(self, peer: int, header: Header) -> None:
+        if header.seg == POSTED:
+            released = self._held_off.get(peer)
+            if released is not None:
+                released.add(header.key)
+                self._release(peer, header.key)
+            return
         if header.seg != ASK:
             self._stall.answered(header.key, peer, header.seg)
             return
@@ -397,6 +409,8 @@ class Engine(FrameSink):
             self._fail(op, _same_error(earlier, str(earlier)))
             return
         self._ops[op.key] = op
+        for peer in self._holding:
+            self._send_control(peer, _posted(op), b"")
         op.age = next(self._order)
         op.started = time.monotonic()
         op.record = self.flight.add(
@@ -435,6 +449,10 @@ class Engine(FrameSink):
         payload = _bytes_of(s.payload)
         head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
         op.unsent += 1
+        released = self._held_off.get(s.dst)
+        if released is not None and op.key not in released:
+            self._deferred.setdefault(s.dst, []).append((op, head, payload))  # until posted there
+            return
         self.transport.send(s.dst, head, payload, op.priority, op, op.age)
 
     def _maybe_complete(self, op: Operation) -> None:
@@ -534,6 +552,7 @@ class Engine(FrameSink):
             self._broken = error
         for op in list(self._ops.values()):
             self._fail(op, _broken_by(op, error))
+        self._deferred.clear()
         reason = str(error).encode()[:MAX_ERROR_BYTES]
         if about is None:
             head = pack_header(ABORT, b"", 0, 0, 0, len(reason), _NO_DESC)
@@ -555,40 +574,50 @@ class Engine(FrameSink):
     # ---- back-pressure -------------------------------------------------------------------------
 
     def _hold(self, peer: int, header: Header, payload: memoryview) -> None:
-        """Keep a frame for an operation not posted here; past the cap, pause its sender."""
+        """Keep a frame for an operation not posted here; past the cap, tell its sender to hold
+        back the frames of operations this rank has not posted (naming those it has)."""
         self._unexpected.setdefault(header.key, []).append((peer, header, payload))
         self._held += payload.nbytes
         self.held_peak = max(self.held_peak, self._held)
-        cap = self.settings.held_bytes
-        if self._held > cap and peer not in self._paused and peer not in self._needed():
-            self._paused.add(peer)
-            self.transport.pause(peer)
-            log.debug("rank %d holds %d bytes: pausing rank %d", self.rank, self._held, peer)
+        if self._held > self.settings.held_bytes and peer not in self._holding:
+            self._holding.add(peer)
+            self._send_control(peer, _HOLD, b"")
+            for op in self._ops.values():
+                self._send_control(peer, _posted(op), b"")
 
     def _take_held(self, key: Key) -> list[tuple[int, Header, memoryview]]:
         held = self._unexpected.pop(key, [])
         self._held -= sum(p.nbytes for _, _, p in held)
         return held
 
-    def _needed(self) -> set[int]:
-        """Peers an operation posted here waits on, or sends to (it may need their credits)."""
-        needed: set[int] = set()
-        for op in self._ops.values():
-            if op.unsent:
-                return set(self._heard)
-            needed |= op.algo.pending_sources
-        return needed
-
     def _relieve(self) -> None:
-        """Resume paused peers once below the cap, or as soon as something here needs them."""
-        if not self._paused:
-            return
-        needed = set() if self._held <= self.settings.held_bytes else self._needed()
-        for peer in list(self._paused):
-            if self._held <= self.settings.held_bytes or peer in needed:
-                self._paused.discard(peer)
-                self._heard[peer] = time.monotonic()
-                self.transport.resume(peer)
+        """Once down to half the cap, let every held-back peer send freely again."""
+        if self._holding and self._held <= self.settings.held_bytes // 2:
+            for peer in self._holding:
+                self._send_control(peer, _RESUME, b"")
+            self._holding.clear()
+
+    def _on_flow(self, peer: int, hold: bool) -> None:
+        if hold:
+            self._held_off[peer] = set()
+            taken = self.transport.withdraw(peer)
+            kept = [(t, h, p) for h, p, t in taken if isinstance(t, Operation)]
+            self._deferred[peer] = kept + self._deferred.get(peer, [])
+        elif self._held_off.pop(peer, None) is not None:
+            self._release(peer, None)
+
+    def _release(self, peer: int, key: Key | None) -> None:
+        """Send the frames kept back for ``peer``: those of ``key``, or all."""
+        kept = []
+        for op, head, payload in self._deferred.pop(peer, []):
+            if self._ops.get(op.key) is not op:
+                continue  # failed meanwhile: nothing to send
+            if key is None or op.key == key:
+                self.transport.send(peer, head, payload, op.priority, op, op.age)
+            else:
+                kept.append((op, head, payload))
+        if kept:
+            self._deferred[peer] = kept
 
     # ---- FrameSink: called by the transport on this thread ---------------------------------
 
@@ -631,7 +660,7 @@ class Engine(FrameSink):
             return
         if self._stopping:
             return
-        if header.type in (ERROR, ABORT, INQUIRY):
+        if header.type in (ERROR, ABORT, INQUIRY, FLOW):
             self._on_control(peer, header, payload)
             return
         op = self._ops.get(header.key)
@@ -665,6 +694,9 @@ class Engine(FrameSink):
         return False
 
     def _on_control(self, peer: int, header: Header, payload: memoryview) -> None:
+        if header.type == FLOW:
+            self._on_flow(peer, header.instance == 1)
+            return
         if header.type == INQUIRY:
             self._on_inquiry(peer, header)
             return
@@ -712,6 +744,11 @@ class Engine(FrameSink):
 def _bytes_of(array: Array) -> memoryview:
     """The bytes of a contiguous array, writable where the array is."""
     return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def _posted(op: Operation) -> bytes:
+    """The flow-control frame that says ``op`` is posted here."""
+    return pack_header(INQUIRY, op.key[0], op.key[1], 0, POSTED, 0, op.desc)
 
 
 def _broken_by(op: Operation, cause: BaseException) -> BrokenError:

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 
 from .errors import ranks_phrase
 
-__all__ = ["StallInspector", "ANSWERS", "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED"]
+__all__ = [
+    "StallInspector", "ANSWERS", "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED",
+]  # fmt: skip
 
 log = logging.getLogger("asyncreduce.stall")
 
 ASK = 0
 PENDING, NOT_POSTED, DONE, FAILED = 1, 2, 3, 4
+POSTED = 5  # not an answer: flow control's "you may send me this operation's frames now"
 ANSWERS = {PENDING: "pending", NOT_POSTED: "not posted", DONE: "done", FAILED: "failed"}
 _ANSWER_WAIT = 3.0  # seconds to wait for every answer before warning with what came
 

@@ -68,6 +68,12 @@ class Transport(ABC):
         leaving, copy what remains of those half sent (the stream must stay whole)."""
 
     @abstractmethod
+    def withdraw(self, peer: int) -> list[tuple[bytes, memoryview, object]]:
+        """Take back the frames queued for ``peer`` that have not started to leave, except
+        control frames (no token), in sending order: (head, payload, token). Their ``on_sent``
+        will not come; whoever sends them again later gets it then."""
+
+    @abstractmethod
     def divert(self, peer: int) -> None:
         """Receive the rest of the payload arriving from ``peer`` into a private buffer."""
 
@@ -82,14 +88,6 @@ class Transport(ABC):
     @abstractmethod
     def open_peers(self) -> int:
         """How many connections are still open (closing waits for this to reach zero)."""
-
-    @abstractmethod
-    def pause(self, peer: int) -> None:
-        """Back-pressure: deliver nothing more from ``peer`` (its sends then wait) until resumed."""
-
-    @abstractmethod
-    def resume(self, peer: int) -> None:
-        """Undo ``pause``: frames already received are delivered on the next poll."""
 
     @abstractmethod
     def close(self) -> None:

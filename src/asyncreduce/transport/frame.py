@@ -13,7 +13,9 @@ receiver too; a GOODBYE frame (no key) says the sender is closing in good order,
 a CREDIT frame (no key; ``instance`` is a byte position) returns shared-memory arena space; a
 HEARTBEAT frame (empty) says the sender is alive even when it has nothing to send; an ABORT
 frame (no key) says the sender's communicator broke, and why, so the receiver's breaks too; an
-INQUIRY frame (a key, no payload; ``seg`` says question or answer) is the stall inspector's. A
+INQUIRY frame (a key, no payload; ``seg`` says question, answer or "posted here") serves the
+stall inspector and flow control; a FLOW frame (no key; ``instance`` 1 or 0) asks the receiver
+to hold back, or again send, frames of operations the sender has not posted. A
 DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
@@ -32,6 +34,7 @@ __all__ = [
     "HEARTBEAT",
     "ABORT",
     "INQUIRY",
+    "FLOW",
     "FLAG_SHM",
     "with_flags",
     "Descriptor",
@@ -54,7 +57,8 @@ CREDIT: Final = 4
 HEARTBEAT: Final = 5  # "still here": sent to every peer about once a second
 ABORT: Final = 6  # "my communicator broke, and so must yours": the reason is the payload
 INQUIRY: Final = 7  # the stall inspector: "what do you know of this key?" and its answer
-_UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT)
+FLOW: Final = 8  # back-pressure: instance 1 = "hold frames of what I did not post", 0 = resume
+_UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT, FLOW)
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
@@ -117,7 +121,7 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT, ABORT, INQUIRY):
+    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT, ABORT, INQUIRY, FLOW):
         raise FrameError(f"unknown frame type {ftype}")
     if flags & ~FLAG_SHM or (flags and ftype != DATA):
         raise FrameError(f"unknown flags {flags:#x} on a frame of type {ftype}")
@@ -127,8 +131,8 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
     if payload_len > limit:
         raise FrameError(f"payload of {payload_len} bytes (at most {limit})")
     if ftype in _UNKEYED:
-        if name_len or (ftype in (CREDIT, HEARTBEAT) and payload_len):
-            raise FrameError("GOODBYE, CREDIT, HEARTBEAT and ABORT frames name no operation")
+        if name_len or (ftype in (CREDIT, HEARTBEAT, FLOW) and payload_len):
+            raise FrameError(f"a frame of type {ftype} names no operation and carries no data")
         return 0, Header(ftype, b"", instance, 0, 0, payload_len, Descriptor(0, 0, 0, 0, 0))
     if ftype == INQUIRY and payload_len:
         raise FrameError("an INQUIRY frame carries no payload")

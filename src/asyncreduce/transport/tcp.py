@@ -72,6 +72,7 @@ _READS_PER_EVENT = 64
 _SOCKET_BUFFER = 4 << 20
 _BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)
 _BATCH_BYTES = 1 << 20  # small frames are batched up to this size
+_BURST_BYTES = 4 << 20  # written to one peer before incoming frames are read again
 
 
 @dataclass(order=True)
@@ -115,8 +116,6 @@ class _Peer:
         self.payload: memoryview | None = None
         self.filled = 0
         self.said_goodbye = False  # the peer is closing in good order: EOF is expected
-        self.paused = False  # back-pressure: read nothing more from it until resumed
-        self.events = selectors.EVENT_READ  # what the selector watches for (0: unregistered)
         self.half_close = False  # shut our side once the queue is empty
 
 
@@ -142,7 +141,6 @@ class TcpTransport(Transport):
         self._peers: dict[int, _Peer] = {}
         self._leaving = False  # we said goodbye: peers' EOFs are expected
         self._gone: list[_Peer] = []
-        self._kicked: list[_Peer] = []  # resumed with frames already staged: parse them next poll
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = _Peer(peer_rank, sock, (arenas or {}).get(peer_rank))
@@ -169,8 +167,15 @@ class TcpTransport(Transport):
             self._flush(target)
 
     def _flush(self, peer: _Peer) -> None:
-        """Write queued frames until the socket is full; several small frames per sendmsg."""
+        """Write queued frames until the socket is full; several small frames per sendmsg.
+
+        At most _BURST_BYTES per call: then the loop reads what came in (a FLOW "hold", a
+        CREDIT, an urgent frame) before writing more."""
+        written = 0
         while True:
+            if written >= _BURST_BYTES:
+                self._want_write(peer, True)
+                return
             if not peer.inflight:
                 if not peer.queue:
                     self._want_write(peer, False)
@@ -191,6 +196,7 @@ class TcpTransport(Transport):
                 self._lose(peer, exc)
                 return
             self._advance(peer, n)
+            written += n
 
     def _take_batch(self, peer: _Peer) -> None:
         """Move the most urgent frames into flight: one large frame, or many small ones."""
@@ -229,40 +235,10 @@ class TcpTransport(Transport):
             self.sink.on_sent(peer.inflight.popleft().token)  # empty frames: nothing to write
 
     def _want_write(self, peer: _Peer, on: bool) -> None:
-        if peer.writing != on:
-            peer.writing = on
-            self._watch(peer)
-
-    def _watch(self, peer: _Peer) -> None:
-        """Tell the selector what to wait for on ``peer``: reading unless paused, writing if
-        frames wait for room."""
-        if peer.rank not in self._peers:
-            return
-        events = (0 if peer.paused else selectors.EVENT_READ) | (
-            selectors.EVENT_WRITE if peer.writing else 0
-        )
-        if events == peer.events:
-            return
-        if not events:
-            self._selector.unregister(peer.sock)
-        elif not peer.events:
-            self._selector.register(peer.sock, events, peer)
-        else:
+        if peer.writing != on and peer.rank in self._peers:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
             self._selector.modify(peer.sock, events, peer)
-        peer.events = events
-
-    def pause(self, peer_rank: int) -> None:
-        peer = self._peers.get(peer_rank)
-        if peer is not None and not peer.paused:
-            peer.paused = True
-            self._watch(peer)
-
-    def resume(self, peer_rank: int) -> None:
-        peer = self._peers.get(peer_rank)
-        if peer is not None and peer.paused:
-            peer.paused = False
-            self._watch(peer)
-            self._kicked.append(peer)
+            peer.writing = on
 
     def _shut_write(self, peer: _Peer) -> None:
         peer.half_close = False
@@ -305,6 +281,13 @@ class TcpTransport(Transport):
                 if out.token is token:
                     out.payload = memoryview(bytes(out.payload))
 
+    def withdraw(self, peer_rank: int) -> list[tuple[bytes, memoryview, object]]:
+        queued = self._peers[peer_rank].queue if peer_rank in self._peers else []
+        taken = sorted(out for out in queued if out.token is not None)
+        queued[:] = [out for out in queued if out.token is None]
+        heapq.heapify(queued)
+        return [(out.head, out.payload, out.token) for out in taken]
+
     def divert(self, peer_rank: int) -> None:
         peer = self._peers.get(peer_rank)
         if peer is not None and peer.payload is not None:
@@ -345,14 +328,11 @@ class TcpTransport(Transport):
             return self._eof(peer)
         peer.hi += n
         self._parse_staged(peer)
-        # a short read: drained for now
-        return n == room and peer.rank in self._peers and not peer.paused
+        return n == room and peer.rank in self._peers  # a short read: drained for now
 
     def _parse_staged(self, peer: _Peer) -> None:
         """Take every complete header out of the staging buffer, and what payload follows it."""
         while peer.payload is None:
-            if peer.paused and peer.header is None:
-                return  # back-pressure: the rest stays staged until resume()
             available = peer.hi - peer.lo
             if peer.header is None:
                 if available < HEADER.size:
@@ -446,11 +426,7 @@ class TcpTransport(Transport):
     # ---- the loop ------------------------------------------------------------------------
 
     def poll(self, timeout: float | None) -> None:
-        kicked, self._kicked = self._kicked, []
-        for peer in kicked:
-            if peer.rank in self._peers and not peer.paused:
-                self._parse_resumed(peer)
-        for key, events in self._selector.select(0 if self._kicked else timeout):
+        for key, events in self._selector.select(timeout):
             peer = key.data
             if peer is None:
                 self._drain_wakeups()
@@ -459,13 +435,6 @@ class TcpTransport(Transport):
                 self._flush(peer)
             if events & selectors.EVENT_READ and peer.rank in self._peers:
                 self._on_readable(peer)
-
-    def _parse_resumed(self, peer: _Peer) -> None:
-        """Frames staged while ``peer`` was paused: deliver them now."""
-        try:
-            self._parse_staged(peer)
-        except FrameError as exc:
-            self._lose(peer, exc)
 
     def wakeup(self) -> None:
         try:
@@ -484,8 +453,7 @@ class TcpTransport(Transport):
         """Forget ``peer``; return the frames that will now never leave."""
         if self._peers.pop(peer.rank, None) is None:
             return []
-        if peer.events:
-            self._selector.unregister(peer.sock)
+        self._selector.unregister(peer.sock)
         peer.sock.close()
         self._gone.append(peer)  # its arenas are unmapped at close(), never mid-frame
         unsent = list(peer.inflight) + peer.queue
@@ -506,8 +474,7 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
-            if peer.events:
-                self._selector.unregister(peer.sock)
+            self._selector.unregister(peer.sock)
             peer.sock.close()
         for peer in [*self._peers.values(), *self._gone]:
             for arena in (peer.arena_in, peer.arena_out):

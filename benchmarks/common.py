@@ -28,6 +28,8 @@ the same number of collectives. Helpers for the report (tables, JSON, machine li
 ``allreduce.py`` and ``links.py`` run their own protocol, but share the pieces here: sizes and
 units, the command-line checks, the worker set (``SetSpec`` says how it differs), the
 parent's loop over its reports (``drive_set``), the machine's description and the output.
+``scaling.py`` runs workers of this protocol inside an emulated cluster instead, one rank per
+host (``cluster_env``, ``run_cluster_set``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any, Protocol
 
 __all__ = [
@@ -68,15 +71,18 @@ __all__ = [
     "WorkerSetError",
     "base_parser",
     "busbw_gbps",
+    "cluster_env",
     "connect",
     "format_size",
     "fmt_ms",
+    "load_module",
     "machine_info",
     "machine_line",
     "median",
     "parent_main",
     "parse_size",
     "render_table",
+    "run_cluster_set",
     "timed",
     "worker_main",
 ]
@@ -277,7 +283,10 @@ class AsyncReduceRank(Rank):
 
 
 class GlooRank(Rank):
-    def __init__(self) -> None:
+    """``init_method``: where the ranks meet (``env://``: MASTER_ADDR/MASTER_PORT; or
+    ``tcp://host:port``), rank and world size from RANK and WORLD_SIZE either way."""
+
+    def __init__(self, init_method: str = "env://") -> None:
         self.lib = "gloo"
         self.torch: Any = importlib.import_module("torch")
         self.dist: Any = importlib.import_module("torch.distributed")
@@ -285,7 +294,11 @@ class GlooRank(Rank):
             raise RuntimeError("this PyTorch build has no Gloo backend")
         self.torch.set_num_threads(1)  # N ranks share the cores; Gloo has its own threads
         self.dist.init_process_group(
-            "gloo", init_method="env://", timeout=datetime.timedelta(seconds=120)
+            "gloo",
+            init_method=init_method,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=datetime.timedelta(seconds=120),
         )
         self.rank, self.size = int(self.dist.get_rank()), int(self.dist.get_world_size())
 
@@ -385,13 +398,17 @@ def watchdog(parent_pid: int | None, deadline: float | None, say: str = "") -> N
 
 
 def worker_main(
-    args: argparse.Namespace, body: Callable[[Rank, dict[str, Any], Tell], None]
+    args: argparse.Namespace,
+    body: Callable[[Rank, dict[str, Any], Tell], None],
+    make_rank: Callable[[str], Rank] = connect,
 ) -> int:
-    """Run ``body(rank, settings, tell)`` as one rank; ``tell`` reports from rank 0 only."""
+    """Run ``body(rank, settings, tell)`` as one rank; ``tell`` reports from rank 0 only.
+
+    ``make_rank(lib)`` joins the job (default ``connect``)."""
     watchdog(args.parent_pid, args.deadline)
     settings: dict[str, Any] = json.loads(args.settings or "{}")
     started = time.perf_counter()
-    rank = connect(args.worker)
+    rank = make_rank(args.worker)
 
     def tell(event: str, **fields: Any) -> None:
         if rank.rank == 0:
@@ -733,6 +750,85 @@ def drive_set(
     took = time.monotonic() - started
     run.set_seconds[f"{spec.lib} N={spec.nprocs}"] = round(took, 2)
     progress.end(f"{tag} done in {took:.1f} s")
+
+
+# ---- the parent side: worker sets inside an emulated cluster (scripts/cluster.py) ------------
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    """Import a file of this checkout by path (``scripts/cluster.py``: scripts/ is no package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def cluster_env(c: Any, host: int, master_port: int) -> dict[str, str]:
+    """The environment of rank ``host`` in cluster ``c``: one rank per host, rank 0's address
+    as MASTER_ADDR, its own as ASYNCREDUCE_ADDR, Gloo on the cluster's interface, and the
+    asyncreduce this process imports on PYTHONPATH (any port will do: the hosts are private)."""
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "RANK": str(host),
+        "WORLD_SIZE": str(c.hosts),
+        "MASTER_ADDR": c.addrs[0],
+        "MASTER_PORT": str(master_port),
+        "ASYNCREDUCE_ADDR": c.addrs[host],
+        "GLOO_SOCKET_IFNAME": c.ifname,
+    }
+    root = package_root()
+    if root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+class _ClusterLines:
+    """``on_line`` for ``Cluster.run``: rank 0's reports go to ``take``; the last lines of
+    everything else are kept for the message of a failed set."""
+
+    def __init__(self, take: Callable[[dict[str, Any]], None], mark: str) -> None:
+        self.take, self.mark = take, mark
+        self.done = False
+        self.tails: dict[int, list[str]] = {}
+
+    def __call__(self, host: int, line: str) -> None:
+        if line.startswith(self.mark):
+            with contextlib.suppress(json.JSONDecodeError):
+                message = json.loads(line[len(self.mark) :])
+                self.done = self.done or message.get("event") == "done"
+                self.take(message)
+                return
+        self.tails.setdefault(host, []).append(line)
+        del self.tails[host][:-12]
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"  h{host}: {line}" for host, lines in sorted(self.tails.items()) for line in lines
+        )
+
+
+def run_cluster_set(
+    c: Any, argv: Sequence[str], env: Callable[[int], dict[str, str]], limit_s: float,
+    take: Callable[[dict[str, Any]], None], mark: str = MARK,
+) -> None:  # fmt: skip
+    """Run ``argv`` once in every host of cluster ``c`` (``env(host)`` adds to its
+    environment) and hand each report of rank 0 to ``take`` as it comes. Raises
+    WorkerSetError, with the tail of the hosts' output, when a host fails, when rank 0 ends
+    without ``done``, or at ``limit_s`` (every process of the set is killed by then)."""
+    lines = _ClusterLines(take, mark)
+    try:
+        codes = c.run(list(argv), env, timeout=limit_s, on_line=lines)
+    except TimeoutError as exc:
+        raise WorkerSetError(f"{exc}\n{lines.tail()}") from None
+    failed = [f"h{i} exited with {code}" for i, code in enumerate(codes) if code != 0]
+    if failed or not lines.done:
+        why = "; ".join(failed) or "rank 0 exited without reporting done"
+        raise WorkerSetError(f"{why}\n{lines.tail()}")
 
 
 # ---- the parent side: report ----------------------------------------------------------------

@@ -13,5 +13,5 @@ ASYNCREDUCE_FAULT_SCALE="${ASYNCREDUCE_FAULT_SCALE:-5}" \
 ASYNCREDUCE_FUZZ_SCALE="${ASYNCREDUCE_FUZZ_SCALE:-10}" \
 ASYNCREDUCE_RELIABILITY_REPORT="$PWD/$report" \
     .venv/bin/pytest -q -p no:cacheprovider --timeout 1800 \
-    tests/test_faults.py tests/test_auth.py tests/test_hostile.py "$@"
+    tests/test_faults.py tests/test_cluster.py tests/test_auth.py tests/test_hostile.py "$@"
 .venv/bin/python scripts/reliability_table.py "$report"

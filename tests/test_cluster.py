@@ -18,12 +18,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from faults import report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "cluster.py"
@@ -159,3 +162,90 @@ def test_open_mpi_across_hosts(tmp_path: Path) -> None:
         )
     assert codes == [0], lines
     assert sorted(line for line in lines if line[:1].isdigit()) == ["0 0 3", "1 1 3"], lines
+
+
+# ---- faults on the network: a reset connection, a black-holed link ---------------------------
+
+FAULT_SCRIPT = textwrap.dedent(
+    """
+    import json, time
+    import numpy as np
+    import asyncreduce as ar
+
+    comm = ar.init(timeout=30)
+    x = np.ones(1 << 18, np.float32)
+    comm.allreduce(x, name="op")
+    print("ready", flush=True)
+    try:
+        for _ in range(100_000):
+            comm.allreduce(x, name="op")
+        raise SystemExit("the fault was never noticed")
+    except (ar.BrokenError, TimeoutError) as exc:
+        cause = exc.__cause__ if isinstance(exc, ar.BrokenError) and exc.__cause__ else exc
+        print(json.dumps({"rank": comm.rank, "at": time.time(), "type": type(cause).__name__,
+                          "message": str(exc)}), flush=True)
+    comm.abort("done")
+    """
+)
+
+
+def _inject_when_ready(c: Any, fault: list[str], lines: list[tuple[int, str]]) -> dict[str, float]:
+    """Start a thread that injects ``fault`` in host 2 once every rank printed "ready"."""
+    when: dict[str, float] = {}
+
+    def inject() -> None:
+        deadline = time.monotonic() + 60
+        while sum(line == "ready" for _, line in lines) < c.hosts:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        time.sleep(0.5)  # the ranks are busy allreducing
+        when["at"] = time.time()
+        subprocess.run(c.exec_argv(2, fault), capture_output=True, timeout=10)
+
+    threading.Thread(target=inject, daemon=True).start()
+    return when
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "argv"),
+    [
+        ("reset", ["ss", "-K", "state", "established"]),  # every connection of host 2: RST
+        ("black-hole", ["ip", "link", "set", "eth0", "down"]),  # host 2 silently cut off
+    ],
+    ids=["reset", "black-hole"],
+)
+def test_network_faults_are_named_by_every_rank(
+    tmp_path: Path, fault: str, argv: list[str]
+) -> None:
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT)
+    lines: list[tuple[int, str]] = []
+    peer_timeout = 2.0
+    with cluster.Cluster(hosts=3, rate="1gbit") as c:
+        when = _inject_when_ready(c, argv, lines)
+        codes = c.run(
+            [sys.executable, str(script)],
+            lambda i: {**_rank_env(c, i), "ASYNCREDUCE_PEER_TIMEOUT": str(peer_timeout)},
+            timeout=90,
+            on_line=lambda host, line: lines.append((host, line)),
+        )
+    assert codes == [0, 0, 0], lines
+    assert "at" in when, "the fault was never injected"
+    reports = {r["rank"]: r for r in (json.loads(s) for _, s in lines if s.startswith("{"))}
+    assert sorted(reports) == [0, 1, 2], lines
+    delays = {rank: r["at"] - when["at"] for rank, r in reports.items()}
+    for rank in (0, 1):  # the survivors name the rank that was cut off
+        assert "rank 2" in reports[rank]["message"], reports[rank]
+    if fault == "reset":
+        assert max(delays.values()) < 1.0, delays
+        promise = "every rank raises BrokenError naming the cut-off rank, at once"
+    else:  # nothing arrives any more: the heartbeat timeout decides, never early
+        assert reports[0]["type"] == reports[1]["type"] == "TimeoutError", reports
+        assert all(peer_timeout - 0.1 <= d <= peer_timeout + 1.0 for d in delays.values()), delays
+        promise = f"TimeoutError naming it after ASYNCREDUCE_PEER_TIMEOUT={peer_timeout:g} s"
+    report(
+        f"{fault} of every connection of 1 of 3 emulated hosts (netns, 1 Gbit/s)", promise,
+        runs=1, hangs=0, min_s=min(delays.values()), max_s=max(delays.values()),
+    )  # fmt: skip

@@ -8,11 +8,19 @@ with ar.init() as comm:                # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
 """
 
 from .comm import Communicator, init
-from .errors import AsyncReduceError, BrokenError, ClosedError, MismatchError, UsageError
+from .errors import (
+    AsyncReduceError,
+    AuthenticationError,
+    BrokenError,
+    ClosedError,
+    MismatchError,
+    UsageError,
+)
 from .request import Request, wait_all, wait_any
 
 __all__ = [
     "AsyncReduceError",
+    "AuthenticationError",
     "BrokenError",
     "ClosedError",
     "Communicator",

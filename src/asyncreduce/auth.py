@@ -40,7 +40,7 @@ import stat
 from collections.abc import Mapping
 from typing import Final, Literal
 
-from .errors import AsyncReduceError, UsageError
+from .errors import AuthenticationError, UsageError
 
 __all__ = [
     "ANSWER_BYTES",
@@ -69,14 +69,6 @@ _MAX_SECRET_FILE_BYTES: Final = 64 << 10
 _HOW_TO_SET = (
     "set the same ASYNCREDUCE_SECRET (or ASYNCREDUCE_SECRET_FILE) on every rank of the job"
 )
-
-
-class AuthenticationError(AsyncReduceError):
-    """A peer and this rank disagree about the shared secret (or about having one at all).
-
-    Not retried: a wrong secret does not become right by waiting. The message says which side
-    lacks or mismatches the secret and what to set; it never contains the secret itself.
-    """
 
 
 class Secret:

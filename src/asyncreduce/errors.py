@@ -9,6 +9,8 @@ Every error asyncreduce raises is one of these (or the builtin ``TimeoutError``)
   chained; the communicator must be rebuilt.
 * ``MismatchError``: ranks disagree on an operation (kind, dtype, count, reduction, root). The
   message shows both sides; the operation fails on every rank.
+* ``AuthenticationError``: a peer and this rank disagree about the shared secret
+  (``ASYNCREDUCE_SECRET``); never retried, the message says which side lacks it.
 * ``TimeoutError`` (builtin): a deadline passed (rendezvous, a per-call ``timeout=``, a peer
   silent for ``ASYNCREDUCE_PEER_TIMEOUT``).
 
@@ -27,6 +29,7 @@ __all__ = [
     "ClosedError",
     "BrokenError",
     "MismatchError",
+    "AuthenticationError",
     "ranks_phrase",
 ]
 
@@ -49,6 +52,14 @@ class BrokenError(AsyncReduceError):
 
 class MismatchError(AsyncReduceError):
     """Ranks posted the same operation key with different parameters (both sides are named)."""
+
+
+class AuthenticationError(AsyncReduceError):
+    """A peer and this rank disagree about the shared secret (or about having one at all).
+
+    Not retried: a wrong secret does not become right by waiting. The message says which side
+    lacks or mismatches the secret and what to set; it never contains the secret itself.
+    """
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:

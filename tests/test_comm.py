@@ -446,3 +446,21 @@ def test_a_frozen_peer_fails_pending_operations_naming_it() -> None:
     env = {"ASYNCREDUCE_PEER_TIMEOUT": "2"}
     messages = run_ranks(2, body_frozen, expect_dead=frozenset({1}), env=env, timeout=60)
     assert "rank 1 sent nothing for 2 s" in messages[0], messages
+
+
+# ---- completion means the caller's buffer is free -----------------------------------------------
+
+
+def body_reuse_after_broadcast(comm: ar.Communicator) -> bool:
+    x = np.ones(16 << 20, np.float32)  # 64 MiB: many segments, most still queued after the first
+    comm.broadcast(x, root=0, name="big")
+    if comm.rank == 0:
+        x[:] = 0  # the root's request completed: its buffer is the caller's again
+    comm.barrier()
+    return bool(np.all(x == 1)) if comm.rank else True
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_completed_broadcast_no_longer_reads_the_roots_buffer(transport: str) -> None:
+    results = run_ranks(3, body_reuse_after_broadcast, env=TRANSPORTS[transport])
+    assert all(results.values()), results

@@ -116,6 +116,25 @@ def test_a_frozen_rank_is_named_within_its_timeout_and_no_earlier(peer_timeout: 
     )  # fmt: skip
 
 
+def body_frozen_receiver(comm: ar.Communicator) -> tuple[str, float]:
+    comm.allreduce(np.ones(4, np.float32), name="warm")
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()  # rank 0 only sends: it waits for room, never for data
+    with pytest.raises(TimeoutError) as info:
+        comm.broadcast(np.ones(32 << 20, np.float32), root=0, name="big")
+    return str(info.value), time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_root_sending_to_a_frozen_rank_fails_in_time(transport: str) -> None:
+    env = {"ASYNCREDUCE_PEER_TIMEOUT": "2", **TRANSPORTS[transport]}
+    results = run_ranks(2, body_frozen_receiver, expect_dead=frozenset({1}), env=env, timeout=45)
+    message, elapsed = results[0]
+    assert "rank 1" in message and 1.95 <= elapsed <= 2.5, (elapsed, message)
+
+
 # ---- a rank skips a collective: the stall inspector and the flight recorder ----------------------
 
 

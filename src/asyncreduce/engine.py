@@ -362,7 +362,8 @@ class Engine(FrameSink):
         limit = self._peer_timeout + self._beat_every
         silent = {p for p, heard in self._heard.items() if now - heard > limit}
         for op in list(self._ops.values()):
-            stuck = silent & op.algo.pending_sources
+            # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
+            stuck = silent if op.unsent else silent & op.algo.pending_sources
             if stuck:
                 why = f"{ranks_phrase(stuck)} sent nothing for {self._peer_timeout:g} s"
                 self._fail_everywhere(op, TimeoutError(
@@ -439,8 +440,16 @@ class Engine(FrameSink):
             log.exception("%s failed in its algorithm", op.label)
             self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
             return False
-        for s in sends:
-            self._send(op, s)
+        # A frame may leave at once and report itself sent: hold completion until every frame
+        # of this step is handed over, or an operation whose algorithm is already done (a
+        # broadcast's root) would complete after its first frame, with the rest still to send
+        # from the caller's buffer.
+        op.unsent += 1
+        try:
+            for s in sends:
+                self._send(op, s)
+        finally:
+            op.unsent -= 1
         return op.key in self._ops
 
     def _send(self, op: Operation, s: Send) -> None:

@@ -287,14 +287,20 @@ class DataParallel(nn.Module):
                 f"allreduce {bucket.name}", "comm", request.posted_at, request.completed_at or ended
             )
         world = self._comm.world_size
-        used = flat[flat.numel() - len(bucket.params) :].tolist()
+        flags = flat.numel() - len(bucket.params)
+        used = flat[flags:].tolist()
         offset = 0
         with torch.no_grad():
+            if world > 1:
+                flat[:flags].div_(world)  # the average, in place: one pass, no copy
             for p, users in zip(bucket.params, used, strict=True):
                 if users == 0.0:
                     p.grad = None  # unused on every rank: as in single-process training
                 else:
-                    p.grad = (flat[offset : offset + p.numel()] / world).view_as(p).clone()
+                    # a view of the bucket: the optimizer steps before the gradients are
+                    # cleared, and the bucket is refilled only after that (double_buffer and
+                    # forward alternate two buffers per bucket)
+                    p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
 
     def _apply_pending(self, bucket: _Bucket) -> None:

@@ -303,18 +303,20 @@ def body_slow_rank(comm: ar.Communicator, ops: int) -> tuple[int, bool]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_a_slow_rank_holds_at_most_its_cap_of_early_frames(transport: str) -> None:
-    ops, cap = 200, 8 << 20
+    ops, cap = 300, 8 << 20
     free = run_ranks(2, body_slow_rank, ops, env=TRANSPORTS[transport], timeout=120)
     capped = run_ranks(
         2, body_slow_rank, ops, env={**TRANSPORTS[transport], "ASYNCREDUCE_HELD_BYTES": str(cap)},
         timeout=120,
     )  # fmt: skip
     assert free[1][1] and capped[1][1] and capped[0][1], "wrong results"
-    assert free[1][0] > 40 << 20, f"without a cap the slow rank held only {free[1][0]} bytes"
-    # beyond the cap: what was already on its way when the sender heard "hold" (socket buffers)
-    assert capped[1][0] <= cap + (24 << 20), f"held {capped[1][0]} bytes with a cap of {cap}"
+    assert free[1][0] > 100 << 20, f"without a cap the slow rank held only {free[1][0]} bytes"
+    # Beyond the cap: what was already on its way when the sender heard "hold": over TCP the
+    # two socket buffers (8 MiB each) and a write burst or two; over shared memory the arena.
+    slack = (40 if transport == "tcp" else 16) << 20
+    assert capped[1][0] <= cap + slack, f"held {capped[1][0]} bytes with a cap of {cap}"
     report(
-        f"a 10x slower rank, 200 x 1 MiB posted at once by the other, {transport}",
+        f"a 10x slower rank, {ops} x 1 MiB posted at once by the other, {transport}",
         "early frames held by the slow rank stay near the cap (ASYNCREDUCE_HELD_BYTES)",
         runs=1, hangs=0, held_without_cap_mib=free[1][0] / 2**20,
         held_with_8mib_cap_mib=capped[1][0] / 2**20,

@@ -23,10 +23,11 @@ instead of waiting out a timeout. Heartbeats bound how long a frozen peer can go
 
 Frames for operations not posted here are held, up to ``held_bytes``. Past that, this rank
 sends the peer a FLOW "hold" frame and then a POSTED inquiry for each operation it has posted
-(and for each one it posts later): the peer keeps the frames of other operations in its own
-memory (the caller's buffers, no copy) until this rank posts them, or sends "resume" once it
-holds half as much. The connection itself is never paused, so what this rank waits for is never
-stuck behind what it cannot take: back-pressure slows a fast rank down, it cannot deadlock.
+(and for each one it posts later): from then on the peer keeps the frames of other operations
+in its own memory (the caller's buffers, no copy) until this rank posts them, a rendezvous
+protocol that costs a round trip only where this rank is late anyway. The connection itself is
+never paused, so what this rank waits for is never stuck behind what it cannot take:
+back-pressure slows a fast rank down, it cannot deadlock.
 The stall inspector (stall.py) and the flight recorder (flight.py) explain what stalls or fails.
 """
 
@@ -85,7 +86,6 @@ _SPARE_BYTES = 64 << 20  # recycled buffers kept for frames that arrive before t
 _NO_DESC = Descriptor(0, 0, 0, 0, 0)
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, _NO_DESC)
 _HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, _NO_DESC)
-_RESUME = pack_header(FLOW, b"", 0, 0, 0, 0, _NO_DESC)
 _ERROR_KINDS: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_KINDS.items()}
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
@@ -291,7 +291,6 @@ class Engine(FrameSink):
                 self.transport.poll(self._poll_timeout())
                 self._expire()
                 self._beat()
-                self._relieve()
             self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
@@ -469,7 +468,7 @@ class Engine(FrameSink):
             return
         del self._ops[op.key]
         self._remember_done(op)
-        self._stall.forget(op.key)
+        self._ended(op)
         try:
             value = op.result()
         except Exception as exc:
@@ -485,7 +484,7 @@ class Engine(FrameSink):
         if self._ops.get(op.key) is op:
             del self._ops[op.key]
             self._remember_failed(op.key, error)
-            self._stall.forget(op.key)
+            self._ended(op)
             self._finish_record(op, error)
             self.transport.drop(op)
             for peer, (landing, _) in list(self._landing.items()):
@@ -494,6 +493,12 @@ class Engine(FrameSink):
                     del self._landing[peer]
         if not op.request.done():
             op.request.set_exception(error)
+
+    def _ended(self, op: Operation) -> None:
+        """Forget what the stall inspector and flow control kept about ``op``."""
+        self._stall.forget(op.key)
+        for released in self._held_off.values():
+            released.discard(op.key)
 
     def _finish_record(self, op: Operation, error: BaseException | None) -> None:
         if op.record is not None:
@@ -599,29 +604,21 @@ class Engine(FrameSink):
         self._held -= sum(p.nbytes for _, _, p in held)
         return held
 
-    def _relieve(self) -> None:
-        """Once down to half the cap, let every held-back peer send freely again."""
-        if self._holding and self._held <= self.settings.held_bytes // 2:
-            for peer in self._holding:
-                self._send_control(peer, _RESUME, b"")
-            self._holding.clear()
-
     def _on_flow(self, peer: int, hold: bool) -> None:
-        if hold:
+        """``peer`` holds too much of ours: from now on send it only what it has posted."""
+        if hold and peer not in self._held_off:
             self._held_off[peer] = set()
             taken = self.transport.withdraw(peer)
             kept = [(t, h, p) for h, p, t in taken if isinstance(t, Operation)]
             self._deferred[peer] = kept + self._deferred.get(peer, [])
-        elif self._held_off.pop(peer, None) is not None:
-            self._release(peer, None)
 
-    def _release(self, peer: int, key: Key | None) -> None:
-        """Send the frames kept back for ``peer``: those of ``key``, or all."""
+    def _release(self, peer: int, key: Key) -> None:
+        """Send the frames kept back for ``peer`` of operation ``key``."""
         kept = []
         for op, head, payload in self._deferred.pop(peer, []):
             if self._ops.get(op.key) is not op:
                 continue  # failed meanwhile: nothing to send
-            if key is None or op.key == key:
+            if op.key == key:
                 self.transport.send(peer, head, payload, op.priority, op, op.age)
             else:
                 kept.append((op, head, payload))

@@ -163,7 +163,7 @@ class TcpTransport(Transport):
             raise KeyError(f"rank {peer} is not connected")
         out = _Out((-priority, age, next(self._order)), head, payload, token)
         heapq.heappush(target.queue, out)
-        if not target.inflight:
+        if not target.inflight and not target.writing:  # writing: poll() flushes when it may
             self._flush(target)
 
     def _flush(self, peer: _Peer) -> None:

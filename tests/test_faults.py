@@ -28,6 +28,7 @@ from spmd import _CTX, free_port, run_ranks
 TRANSPORTS = {"shm": {"ASYNCREDUCE_SHM": "1"}, "tcp": {"ASYNCREDUCE_SHM": "0"}}
 SIZES = {"small": 1024, "large": 8 << 20}  # float32 elements: 4 KiB and 32 MiB
 VICTIM = 2
+_SETTLE = 0.2  # seconds the victim waits after "warm" before its phase begins
 
 
 # ---- SIGKILL of one rank of four ----------------------------------------------------------------
@@ -47,6 +48,7 @@ def body_killed(comm: ar.Communicator, phase: str, count: int) -> tuple[str, flo
 
 def _die(phase: str, comm: ar.Communicator, x: np.ndarray) -> None:
     me = os.getpid()
+    time.sleep(_SETTLE)  # its last "warm" frames have surely been read: a kill resets unread data
     if phase == "before-send":  # dies before it posts: nothing of "op" ever leaves it
         os.kill(me, signal.SIGKILL)
     if phase == "after-receive":  # its peers' first frames have reached it; it never answers
@@ -74,7 +76,7 @@ def test_sigkill_of_one_rank_is_named_by_every_survivor(
         for rank, (message, elapsed) in results.items():
             assert f"rank {VICTIM}" in message, f"rank {rank}: {message}"
             assert elapsed < 5.0, f"rank {rank} took {elapsed:.2f} s to notice: {message}"
-            times.append(elapsed - (0.3 if phase == "after-receive" else 0.0))
+            times.append(elapsed - _SETTLE - (0.3 if phase == "after-receive" else 0.0))
     report(
         f"SIGKILL 1 of 4 ranks, {phase}, {size}, {transport}",
         "every survivor raises naming the dead rank",

@@ -464,3 +464,33 @@ def body_reuse_after_broadcast(comm: ar.Communicator) -> bool:
 def test_a_completed_broadcast_no_longer_reads_the_roots_buffer(transport: str) -> None:
     results = run_ranks(3, body_reuse_after_broadcast, env=TRANSPORTS[transport])
     assert all(results.values()), results
+
+
+# ---- a bug in the progress thread -----------------------------------------------------------
+
+
+def body_crash(comm: ar.Communicator) -> tuple[str, float]:
+    comm.barrier()
+    start = time.monotonic()
+    if comm.rank == 0:
+        engine = comm._engine
+        assert engine is not None
+
+        def bug() -> None:
+            raise ZeroDivisionError("injected")
+
+        engine._expire = bug  # type: ignore[method-assign]  # the next loop turn crashes
+        engine.transport.wakeup()
+    with pytest.raises(ar.BrokenError) as info:
+        comm.allreduce(np.ones(4, np.float32), name="after-crash", timeout=20)
+    closing = time.monotonic()
+    comm.close()  # the crashed thread waits for close(), then closes its sockets
+    assert time.monotonic() - closing < 5
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_crashed_progress_thread_fails_everything_and_closes() -> None:
+    results = run_ranks(2, body_crash, timeout=60)
+    assert "progress thread crashed" in results[0][0], results[0]
+    assert "rank 0" in results[1][0], results[1]
+    assert all(elapsed < 5 for _, elapsed in results.values()), results

@@ -206,6 +206,7 @@ class Engine(FrameSink):
         self._closed = False
         self._broken: BaseException | None = None
         self._aborting: str | None = None  # abort(reason) was asked for
+        self._closing = threading.Event()  # close() or abort() was called
         self._departed: dict[int, str] = {}  # peers that closed in good order
         self._stopping = False
         self._ops: dict[Key, Operation] = {}
@@ -253,22 +254,20 @@ class Engine(FrameSink):
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._submitted.append(None)
-        self.transport.wakeup()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._shut(None)
 
     def abort(self, reason: str = "") -> None:
         """Break the communicator on every rank now and close it, within about 1 s: pending
         requests fail with BrokenError, peers are told with an ABORT frame."""
+        self._shut(reason or "abort() was called")
+
+    def _shut(self, abort_reason: str | None) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._aborting = reason or "abort() was called"
+                self._aborting = abort_reason
                 self._submitted.append(None)
+        self._closing.set()
         self.transport.wakeup()
         if self._thread is not threading.current_thread():
             self._thread.join()
@@ -310,11 +309,8 @@ class Engine(FrameSink):
             self.transport.poll(max(0.0, deadline - time.monotonic()))
 
     def _drain_until_close(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    break
-            time.sleep(0.05)
+        """After a crash: new posts fail at once (the engine is broken); wait for close()."""
+        self._closing.wait()
         self._take_submitted()
 
     def _take_submitted(self) -> bool:

@@ -51,7 +51,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 __all__ = ["LIBS", "main"]
@@ -70,24 +69,13 @@ _STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """Import a file of this checkout by path (benchmarks/ and scripts/ are no packages)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 sys.path.insert(0, str(_HERE))  # common.py, next to this file
 import common  # noqa: E402
 
-allreduce: Any = _load("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
-cluster: Any = _load("asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py")
+allreduce: Any = common.load_module("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
+cluster: Any = common.load_module(
+    "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
+)
 
 
 # ---- command line ---------------------------------------------------------------------------

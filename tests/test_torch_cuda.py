@@ -30,6 +30,7 @@ import asyncreduce as ar  # noqa: E402
 import asyncreduce.torch as art  # noqa: E402
 from asyncreduce.torch import staging  # noqa: E402
 from spmd import run_ranks  # noqa: E402
+from test_torch_dp import MLP  # noqa: E402  (the same small model as the CPU tests)
 
 pytestmark = [pytest.mark.torch]
 
@@ -42,17 +43,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 # ---- a small model trained on R ranks, and the same training in one process ----------------------
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(10, 16)
-        self.fc2 = nn.Linear(16, 16)
-        self.fc3 = nn.Linear(16, 3)
-
-    def forward(self, x: Any) -> Any:
-        return self.fc3(F.relu(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 def batch(world: int, step: int) -> tuple[Any, Any]:

@@ -229,7 +229,7 @@ class Engine(FrameSink):
         self._last_beat = time.monotonic()
         self._heard = {p: self._last_beat for p in range(world_size) if p != rank}
         self._stall = StallInspector(rank, world_size, settings.stall_warning)
-        self.flight = FlightRecorder(rank, world_size, settings.flight_records)
+        self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.transport = make_transport(self)
         self._thread = threading.Thread(
             target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
@@ -409,10 +409,7 @@ class Engine(FrameSink):
             self._send_control(peer, _posted(op), b"")
         op.age = next(self._order)
         op.started = time.monotonic()
-        op.record = self.flight.add(
-            Record(op.key[0].decode(errors="replace"), op.key[1], describe(op.desc),
-                   op.priority, op.posted_at)
-        )  # fmt: skip
+        op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
         if op.timeout is not None:
             op.deadline = time.monotonic() + op.timeout
             heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))

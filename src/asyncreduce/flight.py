@@ -1,7 +1,7 @@
 """The flight recorder: the last operations of one rank, and who is to blame when a job fails.
 
 Every rank keeps its last ``capacity`` operations (key, kind, dtype, count, state, wall-clock
-timestamps, the ranks it still waited on). ``Communicator.flight_record()`` returns them; they
+timestamps, the error of a failed one). ``Communicator.flight_record()`` returns them; they
 are written as JSON when the communicator breaks (to ``ASYNCREDUCE_FLIGHT_DIR``, if set) or on
 demand with ``Communicator.dump_flight_record(path)``. ``culprit`` reads every rank's dump and
 says what went wrong first: operations that some ranks posted and others never did, ranks that
@@ -18,8 +18,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ranks_phrase
@@ -31,24 +31,27 @@ _FORMAT = "asyncreduce-flight-record/1"
 
 @dataclass(slots=True)
 class Record:
-    """One operation as this rank saw it."""
+    """One operation as this rank saw it: kept raw (posting costs no formatting), worded only
+    when a snapshot is taken."""
 
-    name: str
+    name: bytes
     instance: int
-    what: str  # "allreduce float32[1000] sum"
+    desc: Any  # what was posted, worded by the recorder's ``describe``
     priority: int
     posted_at: float
     state: str = "pending"  # pending, done, failed
     finished_at: float | None = None
     error: str | None = None
-    waiting_on: list[int] | None = None  # filled in for pending operations when dumped
 
 
 class FlightRecorder:
     """A bounded ring of ``Record``s; written by the engine thread, read from any thread."""
 
-    def __init__(self, rank: int, world_size: int, capacity: int = 1000) -> None:
+    def __init__(
+        self, rank: int, world_size: int, capacity: int = 1000, describe: Callable[[Any], str] = str
+    ) -> None:
         self.rank = rank
+        self._describe = describe
         self.world_size = world_size
         self._records: deque[Record] = deque(maxlen=max(1, capacity))
         self._lock = threading.Lock()
@@ -70,7 +73,7 @@ class FlightRecorder:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-ready copy: who this is, why it broke (if it did), and its records."""
         with self._lock:
-            records = [asdict(r) for r in self._records]
+            records = [self._worded(r) for r in self._records]
         return {
             "format": _FORMAT,
             "rank": self.rank,
@@ -79,6 +82,18 @@ class FlightRecorder:
             "dumped_at": time.time(),
             "broken": self.broken,
             "records": records,
+        }
+
+    def _worded(self, r: Record) -> dict[str, Any]:
+        return {
+            "name": r.name.decode(errors="replace"),
+            "instance": r.instance,
+            "what": self._describe(r.desc),  # e.g. "allreduce float32[1000] sum"
+            "priority": r.priority,
+            "posted_at": r.posted_at,
+            "state": r.state,
+            "finished_at": r.finished_at,
+            "error": r.error,
         }
 
     def dump(self, path: str) -> str:

@@ -63,7 +63,8 @@ from common import DTYPE_BYTES, busbw_gbps, format_size, machine_info, parse_siz
 
 __all__ = ["LIBS", "main", "parse_size", "format_size", "busbw_gbps"]
 
-LIBS = ("asyncreduce", "gloo", "mpi", "mpi-tcp")
+LIBS = ("asyncreduce", "window", "gloo", "mpi", "mpi-tcp")
+OURS = ("asyncreduce", "window")  # window: asyncreduce on buffers from comm.shared_empty
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,32M,64M,128M"
 QUICK_SIZES = "4K,1M,32M"
 DEFAULT_MIN_TIME = 0.3
@@ -163,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
         help="hard limit per (library, N) worker set (default: scaled to the sizes)",
     )
     # The worker side: how the parent starts the ranks; not for people.
-    parser.add_argument("--worker", choices=("asyncreduce", "gloo", "mpi"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=tuple(_BACKENDS), help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return parser
@@ -270,6 +271,18 @@ class _AsyncReduce(_Backend):
         self._comm.close()
 
 
+class _Window(_AsyncReduce):
+    """asyncreduce with every buffer in a shared window: no payload crosses a socket."""
+
+    def array(self, count: int) -> Any:
+        x = self._comm.shared_empty(count, np.float32)
+        x[:] = 0
+        return x
+
+    def algorithm(self, nbytes: int) -> str:
+        return "window"
+
+
 class _Gloo(_Backend):
     def __init__(self) -> None:
         self._torch: Any = importlib.import_module("torch")
@@ -315,7 +328,9 @@ class _Mpi(_Backend):
         return float(self._comm.allreduce(value, op=self._mpi.MAX))
 
 
-_BACKENDS: dict[str, type[_Backend]] = {"asyncreduce": _AsyncReduce, "gloo": _Gloo, "mpi": _Mpi}
+_BACKENDS: dict[str, type[_Backend]] = {
+    "asyncreduce": _AsyncReduce, "window": _Window, "gloo": _Gloo, "mpi": _Mpi,
+}  # fmt: skip
 
 
 def measure(
@@ -513,24 +528,24 @@ def table(run: Run, nprocs: int) -> str:
     """The text table for one process count: one row per size."""
     s = run.settings
     libs = [lib for lib in LIBS if lib in s.libs and lib not in run.skipped]  # fixed order
-    others = [lib for lib in libs if lib != "asyncreduce"]
-    ratios: list[tuple[str, str]] = []  # (header, kind:lib)
-    if "asyncreduce" in libs:
-        if "gloo" in others:
-            ratios.append(("lat/gloo", "lat:gloo"))
-        ratios += [(f"bw/{lib}", f"bw:{lib}") for lib in others]
+    others = [lib for lib in libs if lib not in OURS]
+    ratios: list[tuple[str, str]] = []  # (header, ours:kind:lib)
     headers = ["size", "alg"]
     groups: list[tuple[str, int]] = [("", 2)]
     for lib in libs:
         headers += ["us", "GB/s"]
         groups.append((lib, 2))
-    if ratios:
-        headers += [h for h, _ in ratios]
-        groups.append(("asyncreduce / other", len(ratios)))
+    for ours in (lib for lib in OURS if lib in libs):
+        columns = [("lat/gloo", f"{ours}:lat:gloo")] if "gloo" in others else []
+        columns += [(f"bw/{lib}", f"{ours}:bw:{lib}") for lib in others]
+        if columns:
+            ratios += columns
+            headers += [h for h, _ in columns]
+            groups.append((f"{ours} / other", len(columns)))
     rows: list[list[str]] = []
     for nbytes in s.sizes:
-        mine = run.get("asyncreduce", nprocs, nbytes)
-        row = [format_size(nbytes), mine.algorithm if mine else "-"]
+        first = run.get("asyncreduce", nprocs, nbytes)
+        row = [format_size(nbytes), first.algorithm if first else "-"]
         for lib in libs:
             r = run.get(lib, nprocs, nbytes)
             if r is None:
@@ -539,8 +554,8 @@ def table(run: Run, nprocs: int) -> str:
             else:
                 row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps)]
         for _, key in ratios:
-            kind, lib = key.split(":", 1)
-            other = run.get(lib, nprocs, nbytes)
+            ours, kind, lib = key.split(":", 2)
+            mine, other = run.get(ours, nprocs, nbytes), run.get(lib, nprocs, nbytes)
             if mine is None or other is None:
                 row.append("-")
             elif kind == "lat":
@@ -565,7 +580,8 @@ def table(run: Run, nprocs: int) -> str:
         col += span
     out = [
         f"N={nprocs}: allreduce of float32 (sum, in place); us = median time per allreduce, "
-        "GB/s = bus bandwidth = bytes*2(N-1)/N/time",
+        "GB/s = bus bandwidth = bytes*2(N-1)/N/time"
+        + ("; window = asyncreduce on comm.shared_empty buffers" if "window" in libs else ""),
         (sep * 2).join(line1).rstrip(),
     ]
 

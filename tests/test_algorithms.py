@@ -39,6 +39,7 @@ from asyncreduce.algorithms import (
     RecursiveDoubling,
     Ring,
     Send,
+    SharedAllreduce,
     TreeBroadcast,
     build,
     combine,
@@ -991,3 +992,105 @@ def test_int64_avg_is_inexact_above_2_to_53() -> None:
     machines = [build("allreduce", r, n, bufs[r], dtype, "avg") for r in range(n)]
     Network(machines, seed=0).run()
     assert bufs[0].tolist() == [2**61 + 1, 2**62 - 2]
+
+
+# --------------------------------------------------------------------------------------------
+# Allreduce over shared windows
+
+
+class LateInput(SharedAllreduce):
+    """Its buffer holds garbage until the rank starts: reading a peer before READY shows."""
+
+    def __init__(self, *args: object, data: np.ndarray) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.data = data
+
+    def start(self) -> list[Send]:
+        self.buffer[:] = self.data
+        return super().start()
+
+
+@dataclass
+class ReleasingNetwork(Network):
+    """A rank's caller scribbles over its buffer the moment the rank is done (as a caller
+    may), keeping a copy of the result: a peer still reading it afterwards gets garbage."""
+
+    results: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def _consume(self, f: Flight, target: np.ndarray) -> None:
+        super()._consume(f, target)
+        machine = self.machines[f.dst]
+        assert isinstance(machine, SharedAllreduce)
+        if machine.done and f.dst not in self.results:
+            self.results[f.dst] = machine.buffer.copy()
+            machine.buffer.view(np.uint8)[:] = 0x5A
+
+
+def shared_machines(
+    n: int, data: list[np.ndarray], dtype: DType, op: str, rng: np.random.Generator
+) -> list[SharedAllreduce]:
+    """One rank each, its buffer at a random aligned offset of a larger window."""
+    itemsize = data[0].itemsize
+    windows, placed = [], []
+    for r in range(n):
+        offset = int(rng.integers(0, 4)) * itemsize
+        window = np.full(offset + data[r].nbytes + int(rng.integers(0, 9)), 0xA5, np.uint8)
+        windows.append(window)
+        placed.append((offset, window[offset : offset + data[r].nbytes].view(data[r].dtype)))
+    return [
+        LateInput(
+            r, n, buf, dtype, op, offset, {p: windows[p] for p in range(n) if p != r}, data=data[r]
+        )  # fmt: skip
+        for r, (offset, buf) in enumerate(placed)
+    ]
+
+
+@fast(250)
+@given(
+    n=st.integers(1, 9), count=st.sampled_from(COUNTS), op=ops, dtype_name=dtype_names, seed=seeds
+)
+def test_shared_allreduce(n: int, count: int, op: str, dtype_name: str, seed: int) -> None:
+    dtype = DTYPES[dtype_name]
+    inputs = make_inputs(seed, n, count, dtype_name, op)
+    want = reduce_expected(inputs, dtype_name, op, n)
+    data = [to_storage(x, dtype_name) for x in inputs]
+    machines = shared_machines(n, data, dtype, op, np.random.default_rng(seed))
+    net = ReleasingNetwork(machines, seed).run()  # type: ignore[arg-type]
+    for r, m in enumerate(machines):
+        net.results.setdefault(r, m.buffer.copy())  # a world of one is done at once
+    check_allreduce([net.results[r] for r in range(n)], want, dtype_name)
+    assert net.sent_by == [3 * (n - 1)] * n  # READY, REDUCED, RELEASED to every peer
+
+
+def test_build_takes_the_shared_window_when_given() -> None:
+    buf, windows = np.zeros(4, np.float32), {1: np.zeros(16, np.uint8)}
+    machine = build("allreduce", 0, 2, buf, DTYPES["float32"], "sum", window=(0, windows))
+    assert isinstance(machine, SharedAllreduce)
+    assert isinstance(build("allreduce", 0, 2, buf, DTYPES["float32"], "sum"), RecursiveDoubling)
+
+
+@pytest.mark.parametrize("offset", [16, 2, 2**63])
+def test_shared_allreduce_refuses_a_buffer_outside_the_peers_window(offset: int) -> None:
+    """A READY naming bytes past the end of the peer's window, or misaligned, is refused."""
+    dtype = DTYPES["float32"]
+    machine = SharedAllreduce(0, 2, np.zeros(4, np.float32), dtype, "sum", 0,
+                              {1: np.zeros(24, np.uint8)})  # fmt: skip
+    machine.start()
+    target = machine.recv_buffer(1, 0, 0, 8)
+    target[:] = np.frombuffer(np.array([offset], "<u8").tobytes(), np.uint8)
+    with pytest.raises(ProtocolError, match="window"):
+        machine.on_message(1, 0, 0, target)
+
+
+def test_shared_allreduce_refuses_malformed_messages() -> None:
+    dtype = DTYPES["float32"]
+    machine = SharedAllreduce(0, 3, np.zeros(4, np.float32), dtype, "sum", 0,
+                              {1: np.zeros(16, np.uint8), 2: np.zeros(16, np.uint8)})  # fmt: skip
+    machine.start()
+    for src, step, seg, nbytes in [(0, 0, 0, 8), (3, 0, 0, 8), (1, 3, 0, 0), (1, 0, 1, 8),
+                                   (1, 0, 0, 7), (1, 1, 0, 4)]:  # fmt: skip
+        with pytest.raises(ProtocolError):
+            machine.recv_buffer(src, step, seg, nbytes)
+    machine.on_message(1, 1, 0, machine.recv_buffer(1, 1, 0, 0))
+    with pytest.raises(ProtocolError, match="twice"):
+        machine.recv_buffer(1, 1, 0, 0)

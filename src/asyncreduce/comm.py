@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, build
+from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, SMALL_ALLREDUCE_BYTES, build
 from .buffers import Buffer, as_buffer
 from .engine import Engine, Operation, Settings
 from .errors import ClosedError, UsageError
@@ -34,10 +34,12 @@ from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
 from .transport.shm import Arena, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport, connect_mesh
+from .window import Windows
 
 __all__ = ["Communicator", "init"]
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+_WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
@@ -51,10 +53,14 @@ def _close_forgotten() -> None:
 class Communicator:
     """A group of ``world_size`` ranks that run collectives together (see ``init``)."""
 
-    def __init__(self, rank: int, world_size: int, engine: Engine | None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, engine: Engine | None, one_host: bool = False
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._engine = engine
+        self._one_host = one_host and engine is not None  # every peer shares memory with us
+        self._windows = Windows()
         self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
         self._key_lock = threading.Lock()
         self._posted: defaultdict[str, int] = defaultdict(int)
@@ -140,6 +146,48 @@ class Communicator:
     def barrier(self, **kwargs: Any) -> None:
         """``ibarrier(...).wait()``."""
         self.ibarrier(**kwargs).wait()
+
+    # ---- shared windows ------------------------------------------------------------------
+
+    def shared_empty(
+        self, shape: int | tuple[int, ...], dtype: Any = np.float32, *, timeout: float = 30.0
+    ) -> np.ndarray:
+        """A new uninitialised array in a shared window (collective: every rank calls it,
+        in the same order, with its own shape).
+
+        When every rank is on this host, an in-place allreduce of an array that lies in such a
+        window (or a part of one, or a torch tensor on it: ``torch.from_numpy``) moves no
+        payload: each rank reduces its share reading the peers' arrays in place, then copies
+        the others' shares (two passes over memory instead of the ring's four). Above 64 KiB
+        (SMALL_ALLREDUCE_BYTES) every rank must then pass a buffer in a window for that
+        allreduce, or it fails with MismatchError; smaller ones take recursive doubling anyway.
+        Elsewhere (ranks on several hosts, ASYNCREDUCE_SHM=0, a world of one) this returns an
+        ordinary array and allreduces take the usual path. A rank that cannot map a peer's
+        window aborts the communicator (every rank fails) rather than leave the others waiting;
+        a rank that never calls it leaves the others with TimeoutError after ``timeout``.
+        The memory lives as long as the array and the communicator do.
+        """
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise UsageError(f"shape must be non-negative ints, got {shape!r}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if not self._one_host:
+            return np.empty(shape, dtype)
+        if self._closed:
+            raise ClosedError("shared_empty: the communicator is closed")
+        try:
+            raw = self._windows.create(
+                self.rank,
+                count * dtype.itemsize,
+                lambda record: self.allgather(record, name=_WINDOW, timeout=timeout),
+                lambda: self.barrier(name=_WINDOW, timeout=timeout),
+            )
+        except (OSError, ValueError) as exc:
+            self.abort(f"rank {self.rank} could not map a shared window: {exc}")
+            raise UsageError(f"shared_empty: could not map a peer's window: {exc}") from exc
+        shaped: np.ndarray = raw.view(dtype).reshape(shape)
+        return shaped
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -229,8 +277,17 @@ class Communicator:
         key = self._next_key(name)
         label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
         reduce = REDUCTION_CODES[op] if op else 0
+        found = None
+        if kind == "allreduce" and self._windows and buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:
+            found = self._windows.find(buf.flat)  # small ones: recursive doubling is quicker
+        if found is not None:  # the window's number in the descriptor: every rank must agree
+            window, offset = found
+            root, shared = window.ident, (offset, window.peers)
         desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, buf.flat.size)
-        algo = build(kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root)
+        algo = build(
+            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root,
+            shared if found is not None else None,
+        )  # fmt: skip
         request: Request[Any] = Request(label, self._runner)
         if self._engine is None:  # a world of one: nothing to talk to
             algo.start()
@@ -394,4 +451,4 @@ def init(
     finally:
         store.close()
     engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
-    return Communicator(rank, world_size, engine)
+    return Communicator(rank, world_size, engine, one_host=len(arenas) == world_size - 1)

@@ -101,6 +101,8 @@ def describe(desc: Descriptor) -> str:
         parts.append(_REDUCE_NAMES[desc.reduce])
     if desc.kind == KINDS["broadcast"]:
         parts.append(f"root={desc.root}")
+    elif desc.kind == KINDS["allreduce"] and desc.root:
+        parts.append(f"in shared window {desc.root}")
     return " ".join(parts)
 
 

@@ -6,11 +6,14 @@ count, dtype, world size), so all ranks pick the same one without talking.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .barrier import Barrier
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .doubling import RecursiveDoubling
 from .reduction import DTYPE_BY_CODE, DTYPES, REDUCTION_CODES, REDUCTIONS, DType, combine, finalize
 from .ring import Ring
+from .shared import SharedAllreduce
 from .tree import TreeBroadcast
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "SEGMENT_BYTES",
     "SMALL_ALLREDUCE_BYTES",
     "Send",
+    "SharedAllreduce",
     "TreeBroadcast",
     "build",
     "combine",
@@ -63,13 +67,18 @@ def build(
     dtype: DType,
     reduce_op: str = "sum",
     root: int = 0,
+    window: tuple[int, Mapping[int, Array]] | None = None,
 ) -> Collective:
     """The state machine for one rank's part of an operation.
 
     ``buffer`` is flat: the data (allreduce, broadcast, reduce_scatter) or the whole output
-    with this rank's block already in place (allgather).
+    with this rank's block already in place (allgather). ``window`` (allreduce only): the
+    buffer's byte offset in this rank's shared window and every peer's window, when every rank
+    put its buffer in one (the descriptor says so, so all ranks agree).
     """
     if kind == "allreduce":
+        if window is not None:
+            return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *window)
         if buffer.nbytes <= SMALL_ALLREDUCE_BYTES:
             return RecursiveDoubling(rank, world_size, buffer, dtype, reduce_op)
         return Ring(rank, world_size, buffer, dtype, reduce_op, gather=True)

@@ -33,6 +33,8 @@ __all__ = [
     "Arena",
     "create_arena",
     "open_arena",
+    "create_segment",
+    "open_segment",
     "host_identity",
     "ARENA_BYTES",
     "SHM_MIN_BYTES",
@@ -116,8 +118,9 @@ def host_identity() -> str:
     return f"{boot}/{netns}"
 
 
-def create_arena(size: int = ARENA_BYTES) -> tuple[str, Arena]:
-    """A new private arena file (0600, random name) and its mapping; the caller unlinks it."""
+def create_segment(size: int) -> tuple[str, mmap.mmap]:
+    """A new private shared-memory file (0600, random name) of ``size`` bytes, mapped; the
+    caller unlinks it once its peers have mapped it."""
     name = f"asyncreduce-{os.getpid()}-{secrets.token_hex(16)}"
     path = os.path.join(_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -129,18 +132,30 @@ def create_arena(size: int = ARENA_BYTES) -> tuple[str, Arena]:
         raise
     finally:
         os.close(fd)
-    return path, Arena(mapping)
+    return path, mapping
 
 
-def open_arena(path: str, size: int = ARENA_BYTES) -> Arena:
-    """Map a peer's arena; refuses anything that is not a plain private file of the right size."""
+def open_segment(path: str, size: int) -> mmap.mmap:
+    """Map a peer's segment; refuses anything that is not a plain private file of ours
+    (this user, mode 0600) of the size the peer announced."""
     if not path.startswith(_DIR + "/asyncreduce-") or "/" in path[len(_DIR) + 1 :]:
-        raise ValueError(f"not an asyncreduce arena: {path!r}")
+        raise ValueError(f"not an asyncreduce shared-memory file: {path!r}")
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         info = os.fstat(fd)
         if info.st_size != size or info.st_mode & 0o077 or info.st_uid != os.getuid():
-            raise ValueError(f"arena {path} has the wrong size, mode or owner")
-        return Arena(mmap.mmap(fd, size, flags=_MAP_FLAGS))
+            raise ValueError(f"{path} has the wrong size, mode or owner")
+        return mmap.mmap(fd, size, flags=_MAP_FLAGS)
     finally:
         os.close(fd)
+
+
+def create_arena(size: int = ARENA_BYTES) -> tuple[str, Arena]:
+    """A new private arena file and its mapping; the caller unlinks it."""
+    path, mapping = create_segment(size)
+    return path, Arena(mapping)
+
+
+def open_arena(path: str, size: int = ARENA_BYTES) -> Arena:
+    """Map a peer's arena (see ``open_segment``)."""
+    return Arena(open_segment(path, size))

@@ -1,0 +1,108 @@
+"""Shared windows: arrays every rank on this host can read, so their allreduce moves no payload.
+
+Theory of operation. ``Communicator.shared_empty`` is collective. Every rank creates a private
+file in /dev/shm (mode 0600, unguessable name, like the arenas) and maps it; the ranks
+allgather each file's name and size, map each other's files, pass a barrier and unlink their
+own, so nothing is left behind however the job ends. The caller gets a numpy array on its own
+mapping. An allreduce whose buffer lies inside a window runs ``SharedAllreduce``: the ranks
+read each other's buffers in place instead of sending them (see algorithms/shared.py). The
+window's number travels in the operation's descriptor, so a rank whose buffer is not in the
+same window fails the operation with a MismatchError instead of running another algorithm.
+
+Where some rank is on another host (or ASYNCREDUCE_SHM=0), and in a world of one, there is no
+window: ``shared_empty`` returns an ordinary array and allreduces take the usual path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .algorithms import Array
+from .transport.shm import create_segment, open_segment
+
+__all__ = ["Window", "Windows", "RECORD_BYTES"]
+
+#: One rank's entry in the allgather: its file's size (8 bytes) and path (NUL-padded).
+RECORD_BYTES = 256
+
+
+@dataclass
+class Window:
+    """One shared window: this rank's mapping and every peer's, as flat uint8 arrays."""
+
+    ident: int
+    mine: Array
+    peers: dict[int, Array]
+
+    def offset_of(self, flat: Array) -> int | None:
+        """Where ``flat`` starts in this rank's window, or None if it is not wholly inside."""
+        start = flat.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
+        if start >= 0 and start + flat.nbytes <= self.mine.nbytes and flat.flags.c_contiguous:
+            return int(start)
+        return None
+
+
+def _record(path: str, size: int) -> Array:
+    encoded = path.encode()
+    if len(encoded) > RECORD_BYTES - 8:
+        raise ValueError(f"shared-memory path too long: {path!r}")
+    raw = size.to_bytes(8, "little") + encoded.ljust(RECORD_BYTES - 8, b"\0")
+    return np.frombuffer(raw, np.uint8).copy()
+
+
+def _parse(record: Array) -> tuple[str, int]:
+    raw = record.tobytes()
+    return raw[8:].rstrip(b"\0").decode(errors="replace"), int.from_bytes(raw[:8], "little")
+
+
+class Windows:
+    """This rank's windows, looked up by address when an allreduce is posted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._windows: list[Window] = []
+
+    def create(
+        self,
+        rank: int,
+        nbytes: int,
+        exchange: Callable[[Array], Array],
+        barrier: Callable[[], None],
+    ) -> Array:
+        """A new window of ``nbytes`` (collective: ``exchange`` allgathers one record per rank,
+        ``barrier`` waits for every rank); returns this rank's part as uint8."""
+        path, mapping = create_segment(max(nbytes, 1))
+        peers: dict[int, mmap.mmap] = {}
+        try:
+            records = exchange(_record(path, max(nbytes, 1)))
+            for peer, record in enumerate(records):
+                if peer != rank:
+                    peers[peer] = open_segment(*_parse(record))
+            barrier()
+        finally:
+            os.unlink(path)
+        with self._lock:
+            window = Window(
+                len(self._windows) + 1,
+                np.frombuffer(mapping, np.uint8)[:nbytes],
+                {p: np.frombuffer(m, np.uint8) for p, m in peers.items()},
+            )
+            self._windows.append(window)
+        return window.mine
+
+    def find(self, flat: Array) -> tuple[Window, int] | None:
+        """The window ``flat`` lies in and its offset there, or None."""
+        for window in self._windows:
+            offset = window.offset_of(flat)
+            if offset is not None:
+                return window, offset
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self._windows)

@@ -1,0 +1,151 @@
+"""Shared windows (``Communicator.shared_empty``) over real processes (see spmd.py).
+
+An allreduce of a buffer in a window reads the peers' buffers in place; these tests check that
+the path is really taken (the flight record names the window), that results are exact and
+bitwise identical on every rank (whole windows, slices, torch tensors on them, several threads
+in shuffled orders), that no file is left in /dev/shm, that a rank passing an ordinary buffer
+fails the operation everywhere, and that without shared memory the call degrades to a plain
+array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+import asyncreduce as ar
+from spmd import run_ranks
+
+COUNT = 100_003  # above SMALL_ALLREDUCE_BYTES for every dtype here, and prime
+
+
+def _ours_in_dev_shm() -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"asyncreduce-{os.getpid()}-")]
+
+
+def _window_ops(comm: ar.Communicator) -> int:
+    return sum("in shared window" in r["what"] for r in comm.flight_record()["records"])
+
+
+def body_window(comm: ar.Communicator) -> dict[str, str]:
+    r, n = comm.rank, comm.world_size
+    digests = {}
+    for dtype in (np.float32, np.float64, np.int64):
+        x = comm.shared_empty((3, COUNT), dtype)
+        assert x.shape == (3, COUNT) and x.dtype == dtype and not _ours_in_dev_shm()
+        ramp = np.arange(3 * COUNT, dtype=dtype).reshape(3, COUNT)
+        x[:] = ramp * (r + 1) + r
+        assert comm.allreduce(x) is x
+        want = sum(ramp * (q + 1) + q for q in range(n))
+        np.testing.assert_array_equal(x, want)
+        digests[np.dtype(dtype).name] = hashlib.sha256(x.tobytes()).hexdigest()
+    row = x[1]  # a slice of a window (int64): its own offset there
+    row[:] = r + 1
+    comm.allreduce(row, "max")
+    assert np.all(row == n) and np.all(x[0] == want[0])
+    f = comm.shared_empty(COUNT, np.float32)
+    f[:] = r
+    comm.allreduce(f, "avg")
+    assert np.all(f == np.float32(sum(range(n)) / n))
+    assert _window_ops(comm) == 5
+    return digests
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_window_allreduce_is_exact_and_identical_everywhere(n: int) -> None:
+    results = run_ranks(n, body_window)
+    assert all(results[r] == results[0] for r in range(n))
+
+
+def body_threads(comm: ar.Communicator, ops: int, threads: int) -> dict[int, str]:
+    r, n = comm.rank, comm.world_size
+    window = comm.shared_empty((ops, 20_000), np.float64)
+    order = list(range(ops))
+    random.Random(1000 + r).shuffle(order)
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def worker(mine: list[int]) -> None:
+        try:
+            reqs = []
+            for i in mine:
+                window[i] = np.arange(20_000) * (r + 1) + i
+                reqs.append((i, comm.iallreduce(window[i], name=f"op{i}", priority=i % 3)))
+            for i, req in reqs:
+                req.wait(timeout=60)
+                want = sum(np.arange(20_000, dtype=np.float64) * (q + 1) + i for q in range(n))
+                np.testing.assert_array_equal(window[i], want)
+                results[i] = hashlib.sha256(window[i].tobytes()).hexdigest()
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(order[t::threads],)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert _window_ops(comm) == ops
+    return results
+
+
+def test_threads_post_window_allreduces_in_shuffled_orders() -> None:
+    results = run_ranks(3, body_threads, 40, 4)
+    assert sorted(results[0]) == list(range(40))
+    assert all(results[r] == results[0] for r in range(3))
+
+
+def body_torch(comm: ar.Communicator) -> bool:
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(comm.shared_empty(COUNT, np.float32))
+    t.fill_(comm.rank + 1.0)
+    assert comm.allreduce(t) is t
+    return bool(torch.all(t == sum(range(1, comm.world_size + 1)))) and _window_ops(comm) == 1
+
+
+def test_a_torch_tensor_on_a_window_takes_the_window_path() -> None:
+    pytest.importorskip("torch")
+    assert all(run_ranks(2, body_torch).values())
+
+
+def body_mismatch(comm: ar.Communicator) -> str:
+    window = comm.shared_empty(COUNT, np.float32)  # collective: every rank makes one
+    x = window if comm.rank == 0 else np.empty(COUNT, np.float32)
+    x[:] = 1
+    with pytest.raises((ar.MismatchError, ar.BrokenError)) as info:
+        comm.allreduce(x, name="w", timeout=20)
+    error = info.value
+    while isinstance(error, ar.BrokenError) and error.__cause__ is not None:
+        error = error.__cause__
+    return str(error)
+
+
+def test_an_ordinary_buffer_against_a_window_fails_on_every_rank() -> None:
+    for rank, message in run_ranks(2, body_mismatch).items():
+        assert "in shared window 1" in message and "'w'" in message, f"rank {rank}: {message}"
+
+
+def body_no_shm(comm: ar.Communicator) -> bool:
+    x = comm.shared_empty(COUNT, np.float32)
+    x[:] = comm.rank + 1
+    comm.allreduce(x)
+    return bool(np.all(x == 3)) and _window_ops(comm) == 0
+
+
+def test_without_shared_memory_it_is_an_ordinary_array() -> None:
+    assert all(run_ranks(2, body_no_shm, env={"ASYNCREDUCE_SHM": "0"}).values())
+
+
+def test_a_world_of_one_gets_an_ordinary_array() -> None:
+    with ar.init(0, 1) as comm:
+        x = comm.shared_empty((2, 3), np.int32)
+        x[:] = 7
+        assert x.shape == (2, 3) and np.all(comm.allreduce(x) == 7)
+        with pytest.raises(ar.UsageError, match="non-negative"):
+            comm.shared_empty((2, -1))

@@ -10,7 +10,9 @@ float32 buffers of ``elements`` each and times every variant of that library:
 * asyncreduce: ``sequential`` (``allreduce`` one after another); ``threads`` (ten threads, each
   one blocking ``allreduce`` with its own name: one connection per pair of ranks, one progress
   thread, chunks of all ten interleaved); ``requests`` (one thread: ``iallreduce`` x10, then
-  ``wait_all``).
+  ``wait_all``); and the same three as ``window-*`` on buffers from ``comm.shared_empty``
+  (every rank reads its peers' buffers in place: see algorithms/shared.py). Each family is
+  compared with its own sequential variant.
 * Gloo (``torch.distributed``): ``sequential``; ``threads`` (ten threads, ten process groups from
   ``dist.new_group``, one per thread); ``pool2``/``pool4`` (ten threads sharing 2 or 4 of those
   groups: thread i uses group i mod P once thread i-P is done with it, an order that is the same
@@ -54,6 +56,7 @@ DEFAULT_ELEMENTS = 8 << 20  # 8M float32 = 32 MiB
 QUICK_ELEMENTS = 1 << 20
 DEFAULT_REPEATS = 3
 QUICK_REPEATS = 2
+_WINDOW = "window-"  # the prefix of the variants on shared windows
 _SAMPLE = 4099  # check every 4099th element (a prime: touches every page of the buffer)
 
 #: (library, variant) -> the label in tables and plots; the order is the table's.
@@ -61,6 +64,9 @@ VARIANTS: dict[tuple[str, str], str] = {
     ("asyncreduce", "sequential"): "sequential: allreduce x10",
     ("asyncreduce", "threads"): "10 threads, 1 named allreduce each",
     ("asyncreduce", "requests"): "1 thread: iallreduce x10 + wait_all",
+    ("asyncreduce", "window-sequential"): "shared_empty buffers, sequential",
+    ("asyncreduce", "window-threads"): "shared_empty buffers, 10 threads",
+    ("asyncreduce", "window-requests"): "shared_empty buffers, iallreduce x10",
     ("gloo", "sequential"): "sequential: all_reduce x10",
     ("gloo", "threads"): "10 threads, 10 process groups",
     ("gloo", "pool2"): "10 threads, pool of 2 groups",
@@ -191,7 +197,17 @@ class _Buffers:
         else:
             np: Any = __import__("numpy")
             self.x = [np.empty(s.elements, dtype=np.float32) for _ in range(s.tensors)]
+        self._plain = self.x
+        self._window = (
+            [rank.comm.shared_empty(s.elements, np.float32) for _ in range(s.tensors)]  # type: ignore[attr-defined]
+            if rank.lib == "asyncreduce"
+            else self.x
+        )
         self.bad = 0
+
+    def use(self, variant: str) -> None:
+        """The buffers the variant runs on (the steps read ``self.x`` at each call)."""
+        self.x = self._window if variant.startswith(_WINDOW) else self._plain
 
     def fill(self) -> None:
         for i, x in enumerate(self.x):
@@ -219,11 +235,11 @@ def _asyncreduce_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict
     def requests() -> None:
         ar.wait_all([comm.iallreduce(x, name=name) for x, name in zip(b.x, names, strict=True)])
 
-    return {
-        "sequential": sequential,
-        "threads": lambda: list(pool.map(one, range(len(b.x)))),
-        "requests": requests,
-    }
+    def threads() -> None:
+        list(pool.map(one, range(len(b.x))))
+
+    plain = {"sequential": sequential, "threads": threads, "requests": requests}
+    return {**plain, **{_WINDOW + k: step for k, step in plain.items()}}
 
 
 def _gloo_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
@@ -298,6 +314,7 @@ def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> N
             if lib != rank.lib or variant not in steps:
                 continue
             tell("start", step=variant)
+            buffers.use(variant)
             buffers.bad = 0
             times = common.timed(
                 rank, steps[variant], s.repeats, s.warmup, buffers.fill, buffers.check
@@ -315,13 +332,29 @@ def _busbw(s: dict[str, Any], nprocs: int, seconds: float) -> float:
     return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
 
 
-def _best(run: common.Run, lib: str, nprocs: int, concurrent: bool | None = None) -> Any:
+def _family(variant: str) -> str:
+    return _WINDOW if variant.startswith(_WINDOW) else ""
+
+
+def _best(
+    run: common.Run,
+    lib: str,
+    nprocs: int,
+    concurrent: bool | None = None,
+    family: str | None = None,
+) -> Any:
     rows = [
         r
         for r in run.rows(lib=lib, nprocs=nprocs)
-        if concurrent is None or (r["variant"] != "sequential") == concurrent
+        if (concurrent is None or (not r["variant"].endswith("sequential")) == concurrent)
+        and (family is None or _family(r["variant"]) == family)
     ]
     return min(rows, key=lambda r: r["seconds"]) if rows else None
+
+
+def _families(lib: str) -> list[tuple[str, str]]:
+    """(key in the summary, variant prefix) of each family of ``lib``'s variants."""
+    return [(lib, ""), (f"{lib} window", _WINDOW)] if lib == "asyncreduce" else [(lib, "")]
 
 
 def summary(run: common.Run) -> dict[str, Any]:
@@ -329,12 +362,14 @@ def summary(run: common.Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for nprocs in run.settings["nprocs"]:
         entry: dict[str, Any] = {}
-        for lib in run.settings["libs"]:
-            seq = run.rows(lib=lib, nprocs=nprocs, variant="sequential")
-            best, conc = _best(run, lib, nprocs), _best(run, lib, nprocs, True)
+        for key, family in (f for name in run.settings["libs"] for f in _families(name)):
+            lib = key.split()[0]
+            seq = run.rows(lib=lib, nprocs=nprocs, variant=family + "sequential")
+            best = _best(run, lib, nprocs, family=family)
+            conc = _best(run, lib, nprocs, True, family)
             if not best:
                 continue
-            entry[lib] = {
+            entry[key] = {
                 "best_variant": best["variant"],
                 "best_s": best["seconds"],
                 "sequential_s": seq[0]["seconds"] if seq else None,
@@ -343,10 +378,11 @@ def summary(run: common.Run) -> dict[str, Any]:
                     seq[0]["seconds"] / conc["seconds"] if seq and conc else None
                 ),
             }
-        if "asyncreduce" in entry and "gloo" in entry:
-            entry["ours_best_over_gloo_best"] = (
-                entry["asyncreduce"]["best_s"] / entry["gloo"]["best_s"]
-            )
+        ours = [entry[k] for k in ("asyncreduce", "asyncreduce window") if k in entry]
+        if ours and "gloo" in entry:
+            entry["ours_best"] = min(ours, key=lambda e: e["best_s"])
+            ratio = entry["ours_best"]["best_s"] / entry["gloo"]["best_s"]
+            entry["ours_best_over_gloo_best"] = ratio
         out[str(nprocs)] = entry
     return out
 
@@ -362,7 +398,7 @@ def _table(run: common.Run, nprocs: int) -> str:
                 rows.append([lib, label, "fail", "-", "-", "-", "-"])
             continue
         r = found[0]
-        seq = run.rows(lib=lib, nprocs=nprocs, variant="sequential")
+        seq = run.rows(lib=lib, nprocs=nprocs, variant=_family(variant) + "sequential")
         ratio = f"{seq[0]['seconds'] / r['seconds']:.2f}x" if seq else "-"
         spread = "-".join(common.fmt_ms(f(r["repeats_s"])) for f in (min, max))
         rows.append([
@@ -382,16 +418,16 @@ def _table(run: common.Run, nprocs: int) -> str:
 def _verdicts(run: common.Run, nprocs: int) -> list[str]:
     entry = summary(run).get(str(nprocs), {})
     lines = []
-    for lib in common.LIBS:
-        e = entry.get(lib)
+    for key, _ in (f for lib in common.LIBS for f in _families(lib)):
+        e, lib = entry.get(key), key.split()[0]
         if e and e["concurrent_vs_sequential"]:
             label = VARIANTS[(lib, e["best_concurrent_variant"])]
             lines.append(
-                f"{lib}: best concurrent ({label}) vs sequential: "
+                f"{key}: best concurrent ({label}) vs sequential: "
                 f"speed-up {e['concurrent_vs_sequential']:.2f}x"
             )
     if "ours_best_over_gloo_best" in entry:
-        mine, gloo = entry["asyncreduce"], entry["gloo"]
+        mine, gloo = entry["ours_best"], entry["gloo"]
         lines.append(
             f"our best / Gloo best: {entry['ours_best_over_gloo_best']:.2f}x the time "
             f"({VARIANTS[('asyncreduce', mine['best_variant'])]}, "
@@ -415,9 +451,9 @@ def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
         if not found:
             continue
         used.add(lib)
-        if variant == "sequential" and ticks:
+        if variant.endswith("sequential") and ticks:
             x += 0.8
-        alpha = 0.5 if variant == "sequential" else 0.95
+        alpha = 0.5 if variant.endswith("sequential") else 0.95
         bar = ax.bar(x, found[0]["seconds"] * 1e3, color=colors[lib], alpha=alpha)
         ax.bar_label(bar, fmt="%.0f", fontsize=7)
         ticks.append(x)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +151,26 @@ def test_a_world_of_one_gets_an_ordinary_array() -> None:
         assert x.shape == (2, 3) and np.all(comm.allreduce(x) == 7)
         with pytest.raises(ar.UsageError, match="non-negative"):
             comm.shared_empty((2, -1))
+
+
+def body_victim(comm: ar.Communicator) -> str:
+    x = comm.shared_empty(16 << 20, np.float32)  # 64 MiB
+    x[:] = 1
+    comm.barrier()
+    if comm.rank == 2:
+        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        comm.allreduce(x)
+        time.sleep(30)
+    start = time.monotonic()
+    with pytest.raises(ar.BrokenError) as info:
+        for _ in range(100):
+            comm.allreduce(x)
+    assert time.monotonic() - start < 10
+    return str(info.value)
+
+
+def test_a_rank_killed_during_window_allreduces_is_named_by_the_survivors() -> None:
+    messages = run_ranks(3, body_victim, expect_dead=frozenset({2}))
+    assert set(messages) == {0, 1}
+    assert all("rank 2" in m for m in messages.values()), messages
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncreduce-")]

@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import signal
+import socket
 import threading
 import time
 
@@ -71,6 +72,23 @@ def body_transport_in_use(comm: ar.Communicator) -> list[bool]:
     shared = [peers[p].arena_out is not None for p in sorted(peers)]
     comm.barrier()  # nobody closes (and drops its connections) before every rank has looked
     return shared
+
+
+def body_nodelay(comm: ar.Communicator) -> list[int]:
+    peers = comm._engine.transport._peers  # type: ignore[union-attr]
+    flags = [
+        peers[p].sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for p in sorted(peers)
+    ]
+    comm.barrier()
+    return flags
+
+
+def test_every_data_connection_sends_without_delay() -> None:
+    """Dialled and accepted sides alike set TCP_NODELAY. A regression left the accepted side
+    Nagled: a small frame behind an unacknowledged one waited for the peer's delayed ACK
+    (40 ms), so allreduces took 45 ms now and then."""
+    results = run_ranks(3, body_nodelay)
+    assert all(all(flags) for flags in results.values()), results
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))

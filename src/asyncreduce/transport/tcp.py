@@ -813,6 +813,7 @@ class _Acceptor:
         self.pending.pop(incoming.sock)
         self.selector.unregister(incoming.sock)
         incoming.sock.setblocking(True)
+        _tune(incoming.sock)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
         self.expected.discard(peer)
         socks[peer] = incoming.sock
 

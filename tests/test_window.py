@@ -144,13 +144,45 @@ def test_without_shared_memory_it_is_an_ordinary_array() -> None:
     assert all(run_ranks(2, body_no_shm, env={"ASYNCREDUCE_SHM": "0"}).values())
 
 
-def test_a_world_of_one_gets_an_ordinary_array() -> None:
+def test_a_world_of_one_gets_an_ordinary_array_and_bad_arguments_a_usage_error() -> None:
     with ar.init(0, 1) as comm:
-        x = comm.shared_empty((2, 3), np.int32)
+        x = comm.shared_empty((2, np.int64(3)), np.int32)
         x[:] = 7
         assert x.shape == (2, 3) and np.all(comm.allreduce(x) == 7)
-        with pytest.raises(ar.UsageError, match="non-negative"):
-            comm.shared_empty((2, -1))
+        for shape, dtype, match in [((2, -1), np.float32, "non-negative"),
+                                    (2.5, np.float32, "sequence of ints"),
+                                    (4, object, "numeric dtype"),
+                                    (4, "no-such-type", "not a numpy dtype")]:  # fmt: skip
+            with pytest.raises(ar.UsageError, match=match):
+                comm.shared_empty(shape, dtype)
+    with pytest.raises(ar.ClosedError):
+        comm.shared_empty(4)
+
+
+def test_ranks_that_disagree_about_the_window_number_are_refused() -> None:
+    """Records carry each rank's window number; a rank that made another one is named."""
+    from asyncreduce.window import WindowError, Windows, _record
+
+    records = np.stack([_record("/dev/shm/asyncreduce-1-x", 8, 1), _record("/x", 8, 2)])
+    with pytest.raises(WindowError, match="rank 1 made window 2 where rank 0 made window 1"):
+        Windows._map_peers(0, 1, records)
+
+
+def body_alone(comm: ar.Communicator) -> str:
+    if comm.rank == 1:  # never makes the window: rank 0 times out, and both are broken
+        with pytest.raises(ar.BrokenError):
+            comm.barrier(name="later", timeout=20)
+        return "broken"
+    with pytest.raises(TimeoutError) as info:
+        comm.shared_empty(1000, timeout=1.0)
+    return str(info.value)
+
+
+def test_a_rank_that_never_calls_shared_empty_times_the_others_out() -> None:
+    results = run_ranks(2, body_alone)
+    assert "timeout" in results[0] and "rank 1" in results[0], results[0]
+    assert results[1] == "broken"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncreduce-")]
 
 
 def body_victim(comm: ar.Communicator) -> str:

@@ -14,27 +14,29 @@ in place (or in a new object, for ``inplace=False``, allgather and reduce_scatte
 from __future__ import annotations
 
 import atexit
+import operator
 import os
 import socket
 import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, SMALL_ALLREDUCE_BYTES, build
+from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, SMALL_ALLREDUCE_BYTES, Array, build
 from .buffers import Buffer, as_buffer
 from .engine import Engine, Operation, Settings
-from .errors import ClosedError, UsageError
+from .errors import BrokenError, ClosedError, UsageError
 from .rendezvous import Store, gather, store_from_env_or_args
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
 from .transport.shm import Arena, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport, connect_mesh
-from .window import Windows
+from .window import WindowError, Windows
 
 __all__ = ["Communicator", "init"]
 
@@ -150,43 +152,44 @@ class Communicator:
     # ---- shared windows ------------------------------------------------------------------
 
     def shared_empty(
-        self, shape: int | tuple[int, ...], dtype: Any = np.float32, *, timeout: float = 30.0
-    ) -> np.ndarray:
-        """A new uninitialised array in a shared window (collective: every rank calls it,
-        in the same order, with its own shape).
+        self, shape: int | Sequence[int], dtype: Any = np.float32, *, timeout: float = 30.0
+    ) -> Array:
+        """A new uninitialised array in a shared window (collective: every rank calls it, in
+        the same order, each with its own shape; one call at a time per rank).
 
         When every rank is on this host, an in-place allreduce of an array that lies in such a
         window (or a part of one, or a torch tensor on it: ``torch.from_numpy``) moves no
         payload: each rank reduces its share reading the peers' arrays in place, then copies
-        the others' shares (two passes over memory instead of the ring's four). Above 64 KiB
-        (SMALL_ALLREDUCE_BYTES) every rank must then pass a buffer in a window for that
+        the others' shares (about two passes over memory instead of the ring's four). Above
+        64 KiB (SMALL_ALLREDUCE_BYTES) every rank must then pass a buffer in a window for that
         allreduce, or it fails with MismatchError; smaller ones take recursive doubling anyway.
         Elsewhere (ranks on several hosts, ASYNCREDUCE_SHM=0, a world of one) this returns an
-        ordinary array and allreduces take the usual path. A rank that cannot map a peer's
-        window aborts the communicator (every rank fails) rather than leave the others waiting;
-        a rank that never calls it leaves the others with TimeoutError after ``timeout``.
-        The memory lives as long as the array and the communicator do.
+        ordinary array and allreduces take the usual path.
+
+        A rank that cannot make or map a window aborts the communicator (BrokenError here,
+        every other rank fails) rather than leave the others waiting; a rank that never calls
+        it leaves the others with TimeoutError after ``timeout``. If a window allreduce fails
+        (timeout, abort, a lost peer), that operation's buffers are undefined on every rank:
+        peers read this rank's buffer in place, maybe after its caller got it back. The memory
+        is returned once the communicator is closed and no array uses it.
         """
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(not isinstance(d, int) or d < 0 for d in shape):
-            raise UsageError(f"shape must be non-negative ints, got {shape!r}")
-        count = int(np.prod(shape, dtype=np.int64))
-        if not self._one_host:
-            return np.empty(shape, dtype)
         if self._closed:
             raise ClosedError("shared_empty: the communicator is closed")
+        dims, kind = _shape_and_dtype(shape, dtype)
+        if not self._one_host:
+            return np.empty(dims, kind)
+        count = int(np.prod(dims, dtype=np.int64))
         try:
             raw = self._windows.create(
                 self.rank,
-                count * dtype.itemsize,
+                count * kind.itemsize,
                 lambda record: self.allgather(record, name=_WINDOW, timeout=timeout),
                 lambda: self.barrier(name=_WINDOW, timeout=timeout),
             )
-        except (OSError, ValueError) as exc:
-            self.abort(f"rank {self.rank} could not map a shared window: {exc}")
-            raise UsageError(f"shared_empty: could not map a peer's window: {exc}") from exc
-        shaped: np.ndarray = raw.view(dtype).reshape(shape)
+        except WindowError as exc:
+            self.abort(f"rank {self.rank}: shared_empty: {exc}")
+            raise BrokenError(f"shared_empty on rank {self.rank}: {exc}") from exc
+        shaped: Array = raw.view(kind).reshape(dims)
         return shaped
 
     # ---- life cycle ----------------------------------------------------------------------
@@ -197,6 +200,7 @@ class Communicator:
         if self._engine is not None:
             self._engine.close()
         self._runner.close()
+        self._windows.close()
 
     def abort(self, reason: str = "") -> None:
         """Give up now, on every rank: pending requests here fail with BrokenError, every other
@@ -206,6 +210,7 @@ class Communicator:
         if self._engine is not None:
             self._engine.abort(reason)
         self._runner.close()
+        self._windows.close()
 
     def flight_record(self) -> dict[str, Any]:
         """The last operations of this rank as a JSON-ready dict (see ``asyncreduce.flight``)."""
@@ -296,6 +301,27 @@ class Communicator:
             return request
         self._engine.submit(Operation(key, label, desc, algo, request, result, priority, timeout))
         return request
+
+
+def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """Checked arguments of shared_empty (before anything collective happens)."""
+    try:
+        kind = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
+    if kind.hasobject or kind.itemsize == 0:
+        raise UsageError(f"dtype {kind} cannot live in shared memory; use a numeric dtype")
+    try:
+        dims = (
+            (operator.index(shape),)
+            if not isinstance(shape, Sequence)
+            else tuple(operator.index(d) for d in shape)
+        )
+    except TypeError:
+        raise UsageError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise UsageError(f"shape must be non-negative, got {dims}")
+    return dims, kind
 
 
 # ---- building a communicator -----------------------------------------------------------------

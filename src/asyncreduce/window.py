@@ -26,10 +26,16 @@ import numpy as np
 from .algorithms import Array
 from .transport.shm import create_segment, open_segment
 
-__all__ = ["Window", "Windows", "RECORD_BYTES"]
+__all__ = ["Window", "WindowError", "Windows", "RECORD_BYTES"]
 
-#: One rank's entry in the allgather: its file's size (8 bytes) and path (NUL-padded).
+#: One rank's entry in the allgather: its file's size and the window's number (8 bytes each),
+#: then the file's path (NUL-padded).
 RECORD_BYTES = 256
+_HEAD = 16
+
+
+class WindowError(Exception):
+    """This rank could not create or map a window (or the ranks disagree about which one)."""
 
 
 @dataclass
@@ -48,24 +54,26 @@ class Window:
         return None
 
 
-def _record(path: str, size: int) -> Array:
+def _record(path: str, size: int, ident: int) -> Array:
     encoded = path.encode()
-    if len(encoded) > RECORD_BYTES - 8:
-        raise ValueError(f"shared-memory path too long: {path!r}")
-    raw = size.to_bytes(8, "little") + encoded.ljust(RECORD_BYTES - 8, b"\0")
-    return np.frombuffer(raw, np.uint8).copy()
+    if len(encoded) > RECORD_BYTES - _HEAD:
+        raise WindowError(f"shared-memory path too long: {path!r}")
+    head = size.to_bytes(8, "little") + ident.to_bytes(8, "little")
+    return np.frombuffer(head + encoded.ljust(RECORD_BYTES - _HEAD, b"\0"), np.uint8).copy()
 
 
-def _parse(record: Array) -> tuple[str, int]:
+def _parse(record: Array) -> tuple[str, int, int]:
+    """(path, size, window number) of one rank's record."""
     raw = record.tobytes()
-    return raw[8:].rstrip(b"\0").decode(errors="replace"), int.from_bytes(raw[:8], "little")
+    path = raw[_HEAD:].rstrip(b"\0").decode(errors="replace")
+    return path, int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
 
 
 class Windows:
     """This rank's windows, looked up by address when an allreduce is posted."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one creation at a time: numbers follow the call order
         self._windows: list[Window] = []
 
     def create(
@@ -76,25 +84,49 @@ class Windows:
         barrier: Callable[[], None],
     ) -> Array:
         """A new window of ``nbytes`` (collective: ``exchange`` allgathers one record per rank,
-        ``barrier`` waits for every rank); returns this rank's part as uint8."""
-        path, mapping = create_segment(max(nbytes, 1))
-        peers: dict[int, mmap.mmap] = {}
-        try:
-            records = exchange(_record(path, max(nbytes, 1)))
-            for peer, record in enumerate(records):
-                if peer != rank:
-                    peers[peer] = open_segment(*_parse(record))
-            barrier()
-        finally:
-            os.unlink(path)
+        ``barrier`` waits for every rank); returns this rank's part as uint8. Raises
+        WindowError if a file cannot be made or mapped, or the ranks disagree about the
+        window's number (they called in different orders); what ``exchange`` and ``barrier``
+        raise (a timeout, a broken communicator) passes through."""
+        size = max(nbytes, 1)  # an empty file cannot be mapped
         with self._lock:
+            ident = len(self._windows) + 1
+            try:
+                path, mapping = create_segment(size)
+            except OSError as exc:
+                raise WindowError(
+                    f"could not make a {size}-byte window in /dev/shm: {exc}"
+                ) from exc
+            try:
+                peers = self._map_peers(rank, ident, exchange(_record(path, size, ident)))
+                barrier()
+            finally:
+                os.unlink(path)
             window = Window(
-                len(self._windows) + 1,
+                ident,
                 np.frombuffer(mapping, np.uint8)[:nbytes],
                 {p: np.frombuffer(m, np.uint8) for p, m in peers.items()},
             )
             self._windows.append(window)
         return window.mine
+
+    @staticmethod
+    def _map_peers(rank: int, ident: int, records: Array) -> dict[int, mmap.mmap]:
+        peers: dict[int, mmap.mmap] = {}
+        for peer, record in enumerate(records):
+            if peer == rank:
+                continue
+            path, size, theirs = _parse(record)
+            if theirs != ident:
+                raise WindowError(
+                    f"rank {peer} made window {theirs} where rank {rank} made window {ident}: "
+                    "call shared_empty in the same order on every rank"
+                )
+            try:
+                peers[peer] = open_segment(path, size)
+            except (OSError, ValueError) as exc:
+                raise WindowError(f"could not map rank {peer}'s window: {exc}") from exc
+        return peers
 
     def find(self, flat: Array) -> tuple[Window, int] | None:
         """The window ``flat`` lies in and its offset there, or None."""
@@ -106,3 +138,8 @@ class Windows:
 
     def __bool__(self) -> bool:
         return bool(self._windows)
+
+    def close(self) -> None:
+        """Forget every window: its memory goes once no array of the caller's uses it."""
+        with self._lock:
+            self._windows.clear()

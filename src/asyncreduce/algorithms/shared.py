@@ -6,9 +6,9 @@ directly, so no payload needs to travel and only three tiny messages per pair ar
 buffer is cut into n chunks; rank r owns chunk r.
 
 * step 0, READY (8 bytes: where the buffer starts in the sender's window): "my buffer holds
-  my input". Once READY came from every peer, rank r reduces chunk r in place, reading the
-  peers' chunk r straight from their windows in rank order (so the result does not depend on
-  arrival order), and sends
+  my input". Once READY came from every peer, rank r reduces chunk r in place, combining the
+  peers' chunk r straight from their windows in ascending rank order (so the result does not
+  depend on arrival order), and sends
 * step 1, REDUCED (empty): "chunk r is final in my window". On REDUCED from q, rank r copies
   chunk q from q's window into its own buffer. Once r has copied every chunk and reduced its
   own, it has read all it ever will of every peer's buffer, and sends each
@@ -17,9 +17,9 @@ buffer is cut into n chunks; rank r owns chunk r.
 
 Why it is safe: rank q reads r's chunk q during q's reduction, before q sends REDUCED, and
 rank r writes its chunk q only after that REDUCED; r's chunk r is written before r sends
-REDUCED and read by the others only after it. Per rank and per byte of the buffer that is one
-read of each peer's copy and one write for its own chunk, and one copy for each other chunk:
-no payload crosses a socket, against four passes through shared memory for the ring.
+REDUCED and read by the others only after it. Per rank: one read-modify-write pass over its
+own chunk per peer, and one copy of every other chunk; for two ranks about two passes over
+the buffer, against four through the arenas for the ring, and no payload crosses a socket.
 """
 
 from __future__ import annotations

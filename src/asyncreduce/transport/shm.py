@@ -125,7 +125,7 @@ def create_segment(size: int) -> tuple[str, mmap.mmap]:
     path = os.path.join(_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not with SIGBUS later
         mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
     except BaseException:
         os.unlink(path)

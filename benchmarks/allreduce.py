@@ -602,8 +602,28 @@ def table(run: Run, nprocs: int) -> str:
     return "\n".join(out)
 
 
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """One core's copy bandwidth at this size (numpy copyto in this process, median): the
+    yardstick for a one-host allreduce, which must at least copy its buffer."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def report(run: Run, machine: dict[str, Any]) -> str:
     lines = [_machine_line(machine)]
+    if machine.get("memcpy_gbps"):
+        copies = ", ".join(
+            f"{format_size(int(size))} {gbps:.2f} GB/s"
+            for size, gbps in machine["memcpy_gbps"].items()
+        )
+        lines.append(f"one core's memcpy (numpy copyto, after the runs): {copies}")
     for lib, why in run.skipped.items():
         lines.append(f"skipped {lib}: {why}")
     for f in run.failures:
@@ -674,6 +694,7 @@ def _parent_main(
         progress.end(f"{_SAY}interrupted; partial results follow")
     elapsed = time.monotonic() - started
     machine = machine_info()
+    machine["memcpy_gbps"] = {str(n): memcpy_gbps(n) for n in settings.sizes if n >= 1 << 20}
     return common.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),

@@ -47,14 +47,18 @@ def test_concurrency_benchmark_writes_json(tmp_path: Path) -> None:
     )
     assert document["settings"]["tensors"] == 3 and document["settings"]["elements"] == 65536
     rows = {r["variant"]: r for r in document["results"]}
-    assert set(rows) == {"sequential", "threads", "requests"}
+    plain = {"sequential", "threads", "requests"}
+    assert set(rows) == plain | {f"window-{v}" for v in plain}
     for r in rows.values():
         assert r["lib"] == "asyncreduce" and r["nprocs"] == 2
         assert r["verified"] is True, r  # every rank held the right sums
         assert _positive(r["seconds"], *r["repeats_s"]) and len(r["repeats_s"]) == 1
-    mine = document["summary"]["2"]["asyncreduce"]
-    assert mine["best_variant"] in rows and _positive(mine["best_s"], mine["sequential_s"])
-    assert _positive(mine["concurrent_vs_sequential"])
+    summary = document["summary"]["2"]
+    for family in ("asyncreduce", "asyncreduce window"):  # each against its own sequential
+        mine = summary[family]
+        assert mine["best_variant"] in rows and _positive(mine["best_s"], mine["sequential_s"])
+        assert mine["best_variant"].startswith("window-") == family.endswith("window")
+        assert _positive(mine["concurrent_vs_sequential"])
 
 
 def test_overlap_benchmark_writes_json(tmp_path: Path) -> None:

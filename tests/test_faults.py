@@ -314,9 +314,13 @@ def test_a_slow_rank_holds_at_most_its_cap_of_early_frames(transport: str) -> No
     assert free[1][1] and capped[1][1] and capped[0][1], "wrong results"
     assert free[1][0] > 100 << 20, f"without a cap the slow rank held only {free[1][0]} bytes"
     # Beyond the cap: what was already on its way when the sender heard "hold": over TCP the
-    # two socket buffers (8 MiB each) and a write burst or two; over shared memory the arena.
-    slack = (40 if transport == "tcp" else 16) << 20
+    # two socket buffers (8 MiB each once the kernel doubles them) and write bursts, sent at
+    # full speed since every connection has TCP_NODELAY (measured 31-59 MiB held over TCP;
+    # 10-12 MiB before, when the sender's side was Nagled and slower); over shared memory the
+    # arena. Either way far below what an uncapped rank holds.
+    slack = (64 if transport == "tcp" else 16) << 20
     assert capped[1][0] <= cap + slack, f"held {capped[1][0]} bytes with a cap of {cap}"
+    assert capped[1][0] < free[1][0] / 2, (capped[1][0], free[1][0])
     report(
         f"a 10x slower rank, {ops} x 1 MiB posted at once by the other, {transport}",
         "early frames held by the slow rank stay near the cap (ASYNCREDUCE_HELD_BYTES)",

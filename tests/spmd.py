@@ -12,7 +12,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -95,3 +98,46 @@ def run_ranks(
             "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         )
     return results
+
+
+def shuffled_in_threads(
+    rank: int, ops: int, threads: int, work: Callable[[list[int]], None]
+) -> None:
+    """Call ``work`` on ``threads`` threads, each with its share of 0..ops-1 in an order
+    shuffled per rank (so ranks post named operations in different orders); the first error
+    of any thread is raised here."""
+    order = list(range(ops))
+    random.Random(1000 + rank).shuffle(order)
+    errors: list[BaseException] = []
+
+    def guarded(mine: list[int]) -> None:
+        try:
+            work(mine)
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(order[t::threads],)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def survive_the_death_of_rank_2(comm: ar.Communicator, x: Any, delay: float) -> str:
+    """Rank 2 SIGKILLs itself ``delay`` seconds into an allreduce of ``x``; every other rank
+    allreduces ``x`` until that fails, within 10 s, and returns the BrokenError's message."""
+    comm.barrier()
+    if comm.rank == 2:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        comm.allreduce(x)
+        time.sleep(30)
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            comm.allreduce(x)
+    except ar.BrokenError as exc:
+        assert time.monotonic() - start < 10, time.monotonic() - start
+        return str(exc)
+    raise AssertionError("100 allreduces went through without rank 2")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
-from spmd import run_ranks
+from spmd import run_ranks, shuffled_in_threads, survive_the_death_of_rank_2
 
 WORLDS = [2, 3, 4]
 
@@ -110,32 +110,20 @@ def test_collectives_are_exact_and_identical_on_every_rank(n: int, transport: st
 def body_threads(comm: ar.Communicator, ops: int, threads: int) -> dict[int, str]:
     r, n = comm.rank, comm.world_size
     sizes = [random.Random(i).choice([1, 7, 1000, 20_000, 150_000, 600_000]) for i in range(ops)]
-    order = list(range(ops))
-    random.Random(1000 + r).shuffle(order)
     results: dict[int, str] = {}
-    errors: list[BaseException] = []
 
-    def worker(mine: list[int]) -> None:
-        try:
-            reqs = []
-            for i in mine:
-                x = np.arange(sizes[i], dtype=np.float64) * (r + 1) + i
-                reqs.append((i, x, comm.iallreduce(x, name=f"op{i}", priority=i % 3)))
-            for i, x, req in reqs:
-                assert req.wait(timeout=60) is x
-                expect = sum(np.arange(sizes[i], dtype=np.float64) * (q + 1) + i for q in range(n))
-                np.testing.assert_array_equal(x, expect)
-                results[i] = hashlib.sha256(x.tobytes()).hexdigest()
-        except BaseException as exc:
-            errors.append(exc)
+    def work(mine: list[int]) -> None:
+        reqs = []
+        for i in mine:
+            x = np.arange(sizes[i], dtype=np.float64) * (r + 1) + i
+            reqs.append((i, x, comm.iallreduce(x, name=f"op{i}", priority=i % 3)))
+        for i, x, req in reqs:
+            assert req.wait(timeout=60) is x
+            expect = sum(np.arange(sizes[i], dtype=np.float64) * (q + 1) + i for q in range(n))
+            np.testing.assert_array_equal(x, expect)
+            results[i] = hashlib.sha256(x.tobytes()).hexdigest()
 
-    pool = [threading.Thread(target=worker, args=(order[t::threads],)) for t in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    shuffled_in_threads(r, ops, threads, work)
     assert sorted(results) == list(range(ops))
     return results
 
@@ -217,20 +205,10 @@ def test_mismatch_fails_on_every_rank_naming_both_sides(field: str, both: tuple[
 
 
 def body_victim(comm: ar.Communicator) -> str:
-    x = np.ones(16 << 20, np.float32)
-    comm.barrier()
-    if comm.rank == 2:
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        comm.allreduce(x)
-        time.sleep(30)
-    start = time.monotonic()
-    with pytest.raises(ar.BrokenError) as info:
-        for _ in range(100):
-            comm.allreduce(x)
-    assert time.monotonic() - start < 10
+    message = survive_the_death_of_rank_2(comm, np.ones(16 << 20, np.float32), 0.05)
     with pytest.raises(ar.BrokenError):
         comm.allreduce(np.ones(4, np.float32))  # the communicator stays broken
-    return str(info.value)
+    return message
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 
 import asyncreduce as ar
-from spmd import run_ranks
+from spmd import run_ranks, shuffled_in_threads, survive_the_death_of_rank_2
 
 COUNT = 100_003  # above SMALL_ALLREDUCE_BYTES for every dtype here, and prime
 
@@ -67,32 +63,20 @@ def test_window_allreduce_is_exact_and_identical_everywhere(n: int) -> None:
 def body_threads(comm: ar.Communicator, ops: int, threads: int) -> dict[int, str]:
     r, n = comm.rank, comm.world_size
     window = comm.shared_empty((ops, 20_000), np.float64)
-    order = list(range(ops))
-    random.Random(1000 + r).shuffle(order)
     results: dict[int, str] = {}
-    errors: list[BaseException] = []
 
-    def worker(mine: list[int]) -> None:
-        try:
-            reqs = []
-            for i in mine:
-                window[i] = np.arange(20_000) * (r + 1) + i
-                reqs.append((i, comm.iallreduce(window[i], name=f"op{i}", priority=i % 3)))
-            for i, req in reqs:
-                req.wait(timeout=60)
-                want = sum(np.arange(20_000, dtype=np.float64) * (q + 1) + i for q in range(n))
-                np.testing.assert_array_equal(window[i], want)
-                results[i] = hashlib.sha256(window[i].tobytes()).hexdigest()
-        except BaseException as exc:
-            errors.append(exc)
+    def work(mine: list[int]) -> None:
+        reqs = []
+        for i in mine:
+            window[i] = np.arange(20_000) * (r + 1) + i
+            reqs.append((i, comm.iallreduce(window[i], name=f"op{i}", priority=i % 3)))
+        for i, req in reqs:
+            req.wait(timeout=60)
+            want = sum(np.arange(20_000, dtype=np.float64) * (q + 1) + i for q in range(n))
+            np.testing.assert_array_equal(window[i], want)
+            results[i] = hashlib.sha256(window[i].tobytes()).hexdigest()
 
-    pool = [threading.Thread(target=worker, args=(order[t::threads],)) for t in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    shuffled_in_threads(r, ops, threads, work)
     assert _window_ops(comm) == ops
     return results
 
@@ -188,17 +172,7 @@ def test_a_rank_that_never_calls_shared_empty_times_the_others_out() -> None:
 def body_victim(comm: ar.Communicator) -> str:
     x = comm.shared_empty(16 << 20, np.float32)  # 64 MiB
     x[:] = 1
-    comm.barrier()
-    if comm.rank == 2:
-        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        comm.allreduce(x)
-        time.sleep(30)
-    start = time.monotonic()
-    with pytest.raises(ar.BrokenError) as info:
-        for _ in range(100):
-            comm.allreduce(x)
-    assert time.monotonic() - start < 10
-    return str(info.value)
+    return survive_the_death_of_rank_2(comm, x, 0.02)
 
 
 def test_a_rank_killed_during_window_allreduces_is_named_by_the_survivors() -> None:

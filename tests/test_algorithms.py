@@ -1027,7 +1027,12 @@ class ReleasingNetwork(Network):
 
 
 def shared_machines(
-    n: int, data: list[np.ndarray], dtype: DType, op: str, rng: np.random.Generator
+    n: int,
+    data: list[np.ndarray],
+    dtype: DType,
+    op: str,
+    rng: np.random.Generator,
+    segment_bytes: int = SEGMENT_BYTES,
 ) -> list[SharedAllreduce]:
     """One rank each, its buffer at a random aligned offset of a larger window."""
     itemsize = data[0].itemsize
@@ -1039,7 +1044,15 @@ def shared_machines(
         placed.append((offset, window[offset : offset + data[r].nbytes].view(data[r].dtype)))
     return [
         LateInput(
-            r, n, buf, dtype, op, offset, {p: windows[p] for p in range(n) if p != r}, data=data[r]
+            r,
+            n,
+            buf,
+            dtype,
+            op,
+            offset,
+            {p: windows[p] for p in range(n) if p != r},
+            segment_bytes,
+            data=data[r],
         )  # fmt: skip
         for r, (offset, buf) in enumerate(placed)
     ]
@@ -1047,19 +1060,29 @@ def shared_machines(
 
 @fast(250)
 @given(
-    n=st.integers(1, 9), count=st.sampled_from(COUNTS), op=ops, dtype_name=dtype_names, seed=seeds
+    n=st.integers(1, 9),
+    count=st.sampled_from(COUNTS),
+    segment_bytes=st.sampled_from([1, 64, 4096, SEGMENT_BYTES]),
+    op=ops,
+    dtype_name=dtype_names,
+    seed=seeds,
 )
-def test_shared_allreduce(n: int, count: int, op: str, dtype_name: str, seed: int) -> None:
+def test_shared_allreduce(
+    n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int
+) -> None:
     dtype = DTYPES[dtype_name]
     inputs = make_inputs(seed, n, count, dtype_name, op)
     want = reduce_expected(inputs, dtype_name, op, n)
     data = [to_storage(x, dtype_name) for x in inputs]
-    machines = shared_machines(n, data, dtype, op, np.random.default_rng(seed))
+    machines = shared_machines(n, data, dtype, op, np.random.default_rng(seed), segment_bytes)
     net = ReleasingNetwork(machines, seed).run()  # type: ignore[arg-type]
     for r, m in enumerate(machines):
         net.results.setdefault(r, m.buffer.copy())  # a world of one is done at once
     check_allreduce([net.results[r] for r in range(n)], want, dtype_name)
-    assert net.sent_by == [3 * (n - 1)] * n  # READY, REDUCED, RELEASED to every peer
+    # READY and RELEASED to every peer, and one REDUCED per segment of its own chunk
+    sizes = [b - a for a, b in split(count, n)]
+    sent = [(n - 1) * (2 + nsegs(sizes[r], segment_bytes, dtype)) for r in range(n)]
+    assert net.sent_by == sent, (net.sent_by, sent)
 
 
 def test_build_takes_the_shared_window_when_given() -> None:
@@ -1087,8 +1110,9 @@ def test_shared_allreduce_refuses_malformed_messages() -> None:
     machine = SharedAllreduce(0, 3, np.zeros(4, np.float32), dtype, "sum", 0,
                               {1: np.zeros(16, np.uint8), 2: np.zeros(16, np.uint8)})  # fmt: skip
     machine.start()
-    for src, step, seg, nbytes in [(0, 0, 0, 8), (3, 0, 0, 8), (1, 3, 0, 0), (1, 0, 1, 8),
-                                   (1, 0, 0, 7), (1, 1, 0, 4)]:  # fmt: skip
+    bad = [(0, 0, 0, 8), (3, 0, 0, 8), (1, 3, 0, 0), (1, 0, 1, 8), (1, 0, 0, 7), (1, 1, 0, 4),
+           (1, 1, 1, 0), (1, 2, 1, 0)]  # fmt: skip
+    for src, step, seg, nbytes in bad:
         with pytest.raises(ProtocolError):
             machine.recv_buffer(src, step, seg, nbytes)
     machine.on_message(1, 1, 0, machine.recv_buffer(1, 1, 0, 0))

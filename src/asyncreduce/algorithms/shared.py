@@ -2,24 +2,32 @@
 
 Theory of operation. When every rank of the job is on one host and the buffer lies in a
 shared window (``Communicator.shared_empty``), each rank can read every other rank's buffer
-directly, so no payload needs to travel and only three tiny messages per pair are needed. The
-buffer is cut into n chunks; rank r owns chunk r.
+directly, so no payload needs to travel: only tiny messages (two per pair, and one per
+segment). The buffer is cut into n chunks; rank r owns chunk r.
 
 * step 0, READY (8 bytes: where the buffer starts in the sender's window): "my buffer holds
-  my input". Once READY came from every peer, rank r reduces chunk r in place, combining the
-  peers' chunk r straight from their windows in ascending rank order (so the result does not
-  depend on arrival order), and sends
-* step 1, REDUCED (empty): "chunk r is final in my window". On REDUCED from q, rank r copies
-  chunk q from q's window into its own buffer. Once r has copied every chunk and reduced its
-  own, it has read all it ever will of every peer's buffer, and sends each
-* step 2, RELEASED (empty): "I no longer read your buffer". A rank is done when every peer
-  released it: only then may its caller touch the buffer again.
+  my input". Once READY came from every peer, rank r reduces its chunk segment by segment
+  (``SEGMENT_BYTES``) in place, combining the peers' segment straight from their windows in
+  ascending rank order (so the result does not depend on arrival order), and after each sends
+* step 1, REDUCED, segment j (empty): "segment j of chunk r is final in my window". On it,
+  rank r copies that segment out of the sender's window into its own buffer. The first
+  segment is reduced at once, each further one after one more REDUCED came in: the segments
+  are copied soon after they were written, while they are still in the cache the cores share
+  (about 30% faster than whole chunks in a two-thread experiment), and the ranks keep pace.
+* step 2, RELEASED (empty): once rank r has reduced all of its chunk and copied every other,
+  it reads no peer's buffer any more and says so. A rank is done when every peer released
+  it: only then may its caller touch the buffer again.
 
-Why it is safe: rank q reads r's chunk q during q's reduction, before q sends REDUCED, and
-rank r writes its chunk q only after that REDUCED; r's chunk r is written before r sends
-REDUCED and read by the others only after it. Per rank: one read-modify-write pass over its
-own chunk per peer, and one copy of every other chunk; for two ranks about two passes over
-the buffer, against four through the arenas for the ring, and no payload crosses a socket.
+Why it is safe: rank q reads r's segment j of chunk q while reducing it, before it sends
+REDUCED for it, and rank r writes that segment only after that REDUCED; r's own segments are
+written before r sends their REDUCED and read by the others only after it. Why it finishes:
+if it stalled, every unfinished rank would have reduced one more segment than all the others
+together have (at least one each), which two unfinished ranks cannot both have, and a single
+one has then reduced more than any chunk has segments (their counts differ by at most one).
+
+Per rank: one read-modify-write pass over its own chunk per peer, and one copy of every other
+chunk; for two ranks about two passes over the buffer, against four through the arenas for
+the ring, and no payload crosses a socket.
 """
 
 from __future__ import annotations
@@ -28,13 +36,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .base import Array, Collective, ProtocolError, Send, split
+from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .reduction import DType, combine, finalize
 
 __all__ = ["SharedAllreduce", "READY", "REDUCED", "RELEASED"]
 
 READY, REDUCED, RELEASED = 0, 1, 2
-_STEPS = (READY, REDUCED, RELEASED)
 _OFFSET = np.dtype("<u8")
 
 
@@ -51,6 +58,7 @@ class SharedAllreduce(Collective):
         reduce_op: str,
         offset: int,
         windows: Mapping[int, Array],
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         super().__init__(rank, world_size)
         self.buffer = buffer
@@ -60,49 +68,57 @@ class SharedAllreduce(Collective):
         if sorted(windows) != self.peers:
             raise ValueError(f"rank {rank}: windows of ranks {sorted(windows)}, need {self.peers}")
         self._windows = windows
-        self._chunks = split(buffer.size, world_size)
+        seg_elems = max(1, segment_bytes // dtype.itemsize)
+        self._segs = [segments(a, b, seg_elems) for a, b in split(buffer.size, world_size)]
         self._offset = np.array([offset], dtype=_OFFSET)
         self._inbox = {p: np.empty(_OFFSET.itemsize, np.uint8) for p in self.peers}
         self._theirs: dict[int, Array] = {}  # peer -> its buffer, once it said READY
-        self._seen: set[tuple[int, int]] = set()
-        self._reduced = False
-        self._to_copy: set[int] = set()  # peers whose chunk is final but not yet copied here
-        self._copied: set[int] = set()
+        self._seen: set[tuple[int, int, int]] = set()  # (src, step, seg)
+        self._reduced = 0  # segments of my chunk reduced so far
+        self._heard = 0  # REDUCED messages received: each lets one more segment of mine go
+        self._to_copy: list[tuple[int, int]] = []  # (peer, segment) final there, not yet here
+        self._copied = 0
         self._released = False
-        self._expected = 3 * len(self.peers)
+        self._left = {p: 2 + len(self._segs[p]) for p in self.peers}  # messages still to come
+        self._expected = sum(self._left.values())
 
     @property
     def pending_sources(self) -> set[int]:
-        if self.done:
-            return set()
-        return {p for p in self.peers if any((p, s) not in self._seen for s in _STEPS)}
+        return {p for p, left in self._left.items() if left}
+
+    def _known(self, src: int, step: int, seg: int) -> bool:
+        """Whether ``src`` sends this rank a message named (step, seg) at all."""
+        if step == REDUCED:
+            return 0 <= seg < len(self._segs[src])
+        return step in (READY, RELEASED) and seg == 0
 
     def start(self) -> list[Send]:
-        return self._to_all(READY, self._offset.view(np.uint8))
+        return self._to_all(READY, 0, self._offset.view(np.uint8))
 
-    def _to_all(self, step: int, payload: Array) -> list[Send]:
-        return [Send(p, step, 0, payload) for p in self.peers]
+    def _to_all(self, step: int, seg: int, payload: Array) -> list[Send]:
+        return [Send(p, step, seg, payload) for p in self.peers]
 
     def recv_buffer(self, src: int, step: int, seg: int, nbytes: int) -> Array:
-        if src not in self._inbox or step not in _STEPS or seg != 0:
+        if src not in self._inbox or not self._known(src, step, seg):
             raise ProtocolError(f"shared allreduce: unexpected message {step}/{seg} from {src}")
-        if (src, step) in self._seen:
-            raise ProtocolError(f"shared allreduce: message {step} from rank {src} twice")
+        if (src, step, seg) in self._seen:
+            raise ProtocolError(f"shared allreduce: message {step}/{seg} from rank {src} twice")
         if step == READY:
             return self._check_size("shared allreduce", self._inbox[src], nbytes)
         return self._check_size("shared allreduce", self.buffer[:0], nbytes)
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
-        self._seen.add((src, step))
+        self._seen.add((src, step, seg))
         self._received += 1
-        sends: list[Send] = []
+        self._left[src] -= 1
         if step == READY:
             self._theirs[src] = self._peer_buffer(src, int(payload.view(_OFFSET)[0]))
-            if len(self._theirs) == len(self.peers):
-                sends += self._reduce_mine()
         elif step == REDUCED:
-            self._to_copy.add(src)
-        return sends + self._copy_ready()
+            self._to_copy.append((src, seg))
+            self._heard += 1
+        self._copy_ready()
+        sends = self._reduce_next() if len(self._theirs) == len(self.peers) else []
+        return sends + self._release()
 
     def _peer_buffer(self, peer: int, offset: int) -> Array:
         """The peer's buffer in its window; ProtocolError if it does not fit there."""
@@ -115,23 +131,40 @@ class SharedAllreduce(Collective):
             )
         return window[offset : offset + nbytes].view(self.buffer.dtype)
 
-    def _reduce_mine(self) -> list[Send]:
-        a, b = self._chunks[self.rank]
-        mine = self.buffer[a:b]
-        for peer in self.peers:
-            combine(self.dtype, self.reduce_op, mine, self._theirs[peer][a:b])
-        finalize(self.dtype, self.reduce_op, mine, self.world_size)
-        self._reduced = True
-        return self._to_all(REDUCED, self.buffer[:0])
+    def _reduce_next(self) -> list[Send]:
+        """Reduce my segments up to one more than the REDUCED messages heard so far: the first
+        at once, then one per segment a peer finished, so that a peer's segment is copied
+        here soon after it was written (still in the shared cache) and both ranks keep pace."""
+        mine = self._segs[self.rank]
+        sends = []
+        while self._reduced < min(len(mine), self._heard + 1):
+            a, b = mine[self._reduced]
+            target = self.buffer[a:b]
+            for peer in self.peers:
+                combine(self.dtype, self.reduce_op, target, self._theirs[peer][a:b])
+            finalize(self.dtype, self.reduce_op, target, self.world_size)
+            sends += self._to_all(REDUCED, self._reduced, self.buffer[:0])
+            self._reduced += 1
+        return sends
 
-    def _copy_ready(self) -> list[Send]:
-        """Copy every final chunk whose owner said where it is; release peers once all read."""
-        for peer in [p for p in self._to_copy if p in self._theirs]:
-            a, b = self._chunks[peer]
+    def _copy_ready(self) -> None:
+        """Copy every final segment whose owner said where its buffer is."""
+        waiting = []
+        for peer, seg in self._to_copy:
+            if peer not in self._theirs:
+                waiting.append((peer, seg))
+                continue
+            a, b = self._segs[peer][seg]
             self.buffer[a:b] = self._theirs[peer][a:b]
-            self._to_copy.discard(peer)
-            self._copied.add(peer)
-        if self._reduced and not self._released and len(self._copied) == len(self.peers):
+            self._copied += 1
+        self._to_copy = waiting
+
+    def _release(self) -> list[Send]:
+        """Once every segment of mine is reduced and every peer's copied here, this rank reads
+        no peer's buffer any more: say so, once."""
+        everything = sum(len(self._segs[p]) for p in self.peers)
+        done = self._reduced == len(self._segs[self.rank]) and self._copied == everything
+        if done and not self._released:
             self._released = True
-            return self._to_all(RELEASED, self.buffer[:0])
+            return self._to_all(RELEASED, 0, self.buffer[:0])
         return []

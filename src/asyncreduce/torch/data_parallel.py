@@ -22,7 +22,9 @@ flat buffer holding its gradients followed by one "used" flag per parameter.
   step stale) while this step's travel. ``synchronize()`` applies whatever is pending.
 
 Devices. A bucket holds parameters of one device and dtype. CPU buckets are reduced in place
-(no copy); CUDA buckets travel through a pinned host twin of their buffer (one per buffer,
+(no copy), and their buffers are carved from one shared window per dtype
+(``comm.shared_empty``), so with every rank on one host their allreduces read the peers'
+buffers in place instead of sending them; CUDA buckets travel through a pinned host twin of their buffer (one per buffer,
 allocated once) by the device's staging thread (staging.py), and every wait point above is a
 request ``wait()``, which orders this thread's current stream after the copy back.
 """
@@ -128,11 +130,15 @@ class DataParallel(nn.Module):
             else _size_groups(params, bucket_bytes)
         )
         copies = 2 if self.mode == "double_buffer" else 1
+        sizes = [sum(p.numel() for p in group) + len(group) for _, group in groups]
+        shared = self._shared_buffers([g for _, g in groups], sizes, copies)
         buckets = []
         for i, (module, group) in enumerate(groups):
-            size = sum(p.numel() for p in group) + len(group)
+            size = sizes[i]
             device, dtype = group[0].device, group[0].dtype
-            buffers = [torch.zeros(size, dtype=dtype, device=device) for _ in range(copies)]
+            buffers = shared.get(i) or [
+                torch.zeros(size, dtype=dtype, device=device) for _ in range(copies)
+            ]
             priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
             bucket = _Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module)
             bucket.stager = stager_for(self._comm, device)
@@ -140,6 +146,31 @@ class DataParallel(nn.Module):
                 bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
             buckets.append(bucket)
         return buckets
+
+    def _shared_buffers(
+        self, groups: list[list[nn.Parameter]], sizes: list[int], copies: int
+    ) -> dict[int, list[torch.Tensor]]:
+        """The buffers of the CPU buckets, carved from one shared window per dtype
+        (``comm.shared_empty``: collective, and the same on every rank, like the buckets), so
+        that on one host their allreduces read the peers' buffers in place; elsewhere the
+        window is an ordinary array. {bucket index: its buffers}."""
+        out: dict[int, list[torch.Tensor]] = {}
+        for dtype in sorted({g[0].dtype for g in groups if g[0].device.type == "cpu"}, key=str):
+            if dtype == torch.bfloat16:
+                continue  # numpy has no bfloat16: those buckets keep torch buffers
+            mine = [
+                i for i, g in enumerate(groups) if g[0].device.type == "cpu" and g[0].dtype == dtype
+            ]
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            window = self._comm.shared_empty(sum(sizes[i] for i in mine) * copies, np_dtype)
+            window[:] = 0
+            offset = 0
+            for i in mine:
+                out[i] = []
+                for _ in range(copies):
+                    out[i].append(torch.from_numpy(window[offset : offset + sizes[i]]))
+                    offset += sizes[i]
+        return out
 
     def _make_optimizers(
         self, factory: OptimizerFactory, params: list[nn.Parameter]

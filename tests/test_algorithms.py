@@ -357,8 +357,8 @@ def test_allreduce_about_a_million(
     allreduce(make, n, BIG, dtype_name, op, seed)
 
 
-@fast(250)
-@given(
+#: Allreduces over world sizes, counts, segment sizes (down to one byte), reductions, dtypes.
+segmented_allreduces = given(
     n=st.integers(1, 9),
     count=st.sampled_from(COUNTS),
     segment_bytes=st.sampled_from([1, 64, 4096, SEGMENT_BYTES]),
@@ -366,6 +366,10 @@ def test_allreduce_about_a_million(
     dtype_name=dtype_names,
     seed=seeds,
 )
+
+
+@fast(250)
+@segmented_allreduces
 def test_ring_allreduce(
     n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int
 ) -> None:
@@ -1059,14 +1063,7 @@ def shared_machines(
 
 
 @fast(250)
-@given(
-    n=st.integers(1, 9),
-    count=st.sampled_from(COUNTS),
-    segment_bytes=st.sampled_from([1, 64, 4096, SEGMENT_BYTES]),
-    op=ops,
-    dtype_name=dtype_names,
-    seed=seeds,
-)
+@segmented_allreduces
 def test_shared_allreduce(
     n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int
 ) -> None:

@@ -24,9 +24,10 @@ flat buffer holding its gradients followed by one "used" flag per parameter.
 Devices. A bucket holds parameters of one device and dtype. CPU buckets are reduced in place
 (no copy), and their buffers are carved from one shared window per dtype
 (``comm.shared_empty``), so with every rank on one host their allreduces read the peers'
-buffers in place instead of sending them; CUDA buckets travel through a pinned host twin of their buffer (one per buffer,
-allocated once) by the device's staging thread (staging.py), and every wait point above is a
-request ``wait()``, which orders this thread's current stream after the copy back.
+buffers in place instead of sending them; CUDA buckets travel through a pinned host twin of
+their buffer (one per buffer, allocated once) by the device's staging thread (staging.py), and
+every wait point above is a request ``wait()``, which orders this thread's current stream
+after the copy back.
 """
 
 from __future__ import annotations

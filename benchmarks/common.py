@@ -61,6 +61,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, Protocol
 
+from asyncreduce.argtypes import positive_float, positive_int
+
 __all__ = [
     "LIBS",
     "MARK",
@@ -153,26 +155,6 @@ def lib_list(known: Sequence[str]) -> Callable[[str], list[str]]:
         return list(dict.fromkeys(libs))
 
     return parse_libs
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def base_parser(

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from asyncreduce import launch
+from asyncreduce.argtypes import port, positive_int, seconds
 
 __all__ = ["main"]
 
@@ -71,11 +72,11 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "with [rank]. If one rank fails, the others are stopped.",
         epilog=f"example: {_RUN_EXAMPLE}",
     )
-    run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks")
+    run.add_argument("-n", "--nprocs", type=positive_int, required=True, help="number of ranks")
     run.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0")
-    run.add_argument("--master-port", type=_port, default=None, help="port (default: a free one)")
+    run.add_argument("--master-port", type=port, default=None, help="port (default: a free one)")
     run.add_argument(
-        "--grace", type=_seconds, default=3.0, help="seconds between SIGTERM and SIGKILL"
+        "--grace", type=seconds, default=3.0, help="seconds between SIGTERM and SIGKILL"
     )
     run.add_argument("program", nargs=argparse.REMAINDER, help="program (.py or command) and args")
     run.set_defaults(run_parser=run)
@@ -127,34 +128,3 @@ def _bench(rest: Sequence[str]) -> int:
         return 2
     code = bench.main(list(rest))
     return 0 if code is None else int(code)
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None

@@ -88,17 +88,6 @@ def _size_list(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
-def _lib_list(text: str) -> list[str]:
-    libs = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [lib for lib in libs if lib not in LIBS]
-    if unknown or not libs:
-        raise argparse.ArgumentTypeError(
-            f"unknown librar{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'};"
-            f" choose from {','.join(LIBS)}"
-        )
-    return list(dict.fromkeys(libs))
-
-
 # ---- command line ---------------------------------------------------------------------------
 
 
@@ -122,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--libs",
-        type=_lib_list,
+        type=common.lib_list(LIBS),
         default=list(LIBS),
         help=f"libraries to compare (default {','.join(LIBS)}); missing ones are skipped",
     )

@@ -142,19 +142,32 @@ def nprocs_list(text: str) -> list[int]:
     return values
 
 
-def lib_list(known: Sequence[str]) -> Callable[[str], list[str]]:
-    """A parser of ``"asyncreduce,gloo"``: the libraries, each one of ``known``, in order."""
+def lib_list(known: Sequence[str], kind: str = "libraries") -> Callable[[str], list[str]]:
+    """A parser of ``"asyncreduce,gloo"``: names, each one of ``known``, in ``known``'s order."""
 
-    def parse_libs(text: str) -> list[str]:
-        libs = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [lib for lib in libs if lib not in known]
-        if unknown or not libs:
+    def parse_names(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
             raise argparse.ArgumentTypeError(
-                f"unknown libraries {', '.join(unknown) or '(none)'}; choose from {','.join(known)}"
+                f"unknown {kind} {', '.join(unknown) or '(none)'}; choose from {','.join(known)}"
             )
-        return list(dict.fromkeys(libs))
+        return [name for name in known if name in names]
 
-    return parse_libs
+    return parse_names
+
+
+def checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that keeps the text once ``parse`` accepts it (``cluster.parse_rate``)."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
 
 
 def base_parser(

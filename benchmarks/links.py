@@ -107,11 +107,6 @@ def _lib(text: str) -> str:
     return text
 
 
-def _rate(text: str) -> str:
-    cluster.parse_rate(text)
-    return text
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncreduce bench links",
@@ -121,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: asyncreduce bench links --quick --json results/links.json",
     )
     add = parser.add_argument
+    rates = _list("rate", common.checked(cluster.parse_rate))
     add(
         "--hosts",
         type=_list("host", _hosts),
@@ -129,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--rates",
-        type=_list("rate", _rate),
-        default=_list("rate", _rate)(DEFAULT_RATES),
+        type=rates,
+        default=rates(DEFAULT_RATES),
         help=f"link rates (default {DEFAULT_RATES})",
     )
     add(

@@ -126,19 +126,6 @@ def compute_for(rate_bps: float, ratio: float) -> float:
 # ---- command line --------------------------------------------------------------------------------
 
 
-def _choices(kind: str, known: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [name for name in names if name not in known]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(unknown) or '(none)'}; choose from {','.join(known)}"
-            )
-        return [name for name in known if name in names]  # canonical order
-
-    return parse
-
-
 def _hosts(text: str) -> list[int]:
     try:
         values = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -147,14 +134,6 @@ def _hosts(text: str) -> list[int]:
     if not values or values[0] < 1 or values[-1] > 16:
         raise argparse.ArgumentTypeError(f"host counts must be within 1..16, got {text!r}")
     return values
-
-
-def _rate(text: str) -> str:
-    try:
-        cluster.parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,11 +159,11 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
     """What is measured: hosts, models, methods, link rate and compute."""
     add = parser.add_argument
     add("--hosts", type=_hosts, default=None, help="host counts (default 1,2,4; quick 1,2)")
-    add("--models", type=_choices("models", MODELS), default=list(MODELS),
+    add("--models", type=common.lib_list(MODELS, "models"), default=list(MODELS),
         help=f"of {','.join(MODELS)} (default both)")  # fmt: skip
-    add("--methods", type=_choices("methods", METHODS), default=list(METHODS),
+    add("--methods", type=common.lib_list(METHODS, "methods"), default=list(METHODS),
         help=f"of {','.join(METHODS)} (default all)")  # fmt: skip
-    add("--rate", type=_rate, default=None,
+    add("--rate", type=common.checked(cluster.parse_rate), default=None,
         help=f"link rate (default {DEFAULT_RATE}; quick {QUICK_RATE})")  # fmt: skip
     add("--ratio", type=common.positive_float, default=DEFAULT_RATIO,
         help="blocking comm / compute at K=4: sets resnet50's compute (default 0.5)")  # fmt: skip

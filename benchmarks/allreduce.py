@@ -261,7 +261,8 @@ class _AsyncReduce(_Backend):
 
 
 class _Window(_AsyncReduce):
-    """asyncreduce with every buffer in a shared window: no payload crosses a socket."""
+    """asyncreduce with every buffer in a shared window: above SMALL_ALLREDUCE_BYTES no
+    payload crosses a socket; below, recursive doubling as for any buffer."""
 
     def array(self, count: int) -> Any:
         x = self._comm.shared_empty(count, np.float32)
@@ -269,7 +270,7 @@ class _Window(_AsyncReduce):
         return x
 
     def algorithm(self, nbytes: int) -> str:
-        return "window"
+        return "window" if nbytes > self._algorithms.SMALL_ALLREDUCE_BYTES else "doubling"
 
 
 class _Gloo(_Backend):
@@ -518,23 +519,23 @@ def table(run: Run, nprocs: int) -> str:
     s = run.settings
     libs = [lib for lib in LIBS if lib in s.libs and lib not in run.skipped]  # fixed order
     others = [lib for lib in libs if lib not in OURS]
-    ratios: list[tuple[str, str]] = []  # (header, ours:kind:lib)
+    ratios: list[tuple[str, str, str, str]] = []  # (header, ours, "lat" or "bw", other lib)
     headers = ["size", "alg"]
     groups: list[tuple[str, int]] = [("", 2)]
     for lib in libs:
         headers += ["us", "GB/s"]
         groups.append((lib, 2))
     for ours in (lib for lib in OURS if lib in libs):
-        columns = [("lat/gloo", f"{ours}:lat:gloo")] if "gloo" in others else []
-        columns += [(f"bw/{lib}", f"{ours}:bw:{lib}") for lib in others]
+        columns = [("lat/gloo", ours, "lat", "gloo")] if "gloo" in others else []
+        columns += [(f"bw/{lib}", ours, "bw", lib) for lib in others]
         if columns:
             ratios += columns
-            headers += [h for h, _ in columns]
+            headers += [column[0] for column in columns]
             groups.append((f"{ours} / other", len(columns)))
     rows: list[list[str]] = []
     for nbytes in s.sizes:
-        first = run.get("asyncreduce", nprocs, nbytes)
-        row = [format_size(nbytes), first.algorithm if first else "-"]
+        plain = run.get("asyncreduce", nprocs, nbytes)
+        row = [format_size(nbytes), plain.algorithm if plain else "-"]
         for lib in libs:
             r = run.get(lib, nprocs, nbytes)
             if r is None:
@@ -542,8 +543,7 @@ def table(run: Run, nprocs: int) -> str:
                 row += [cell, cell]
             else:
                 row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps)]
-        for _, key in ratios:
-            ours, kind, lib = key.split(":", 2)
+        for _, ours, kind, lib in ratios:
             mine, other = run.get(ours, nprocs, nbytes), run.get(lib, nprocs, nbytes)
             if mine is None or other is None:
                 row.append("-")

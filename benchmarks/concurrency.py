@@ -197,17 +197,22 @@ class _Buffers:
         else:
             np: Any = __import__("numpy")
             self.x = [np.empty(s.elements, dtype=np.float32) for _ in range(s.tensors)]
-        self._plain = self.x
-        self._window = (
-            [rank.comm.shared_empty(s.elements, np.float32) for _ in range(s.tensors)]  # type: ignore[attr-defined]
-            if rank.lib == "asyncreduce"
-            else self.x
-        )
+        self._sets = {"": self.x}  # variant family -> its buffers
+        self._settings = s
         self.bad = 0
 
     def use(self, variant: str) -> None:
-        """The buffers the variant runs on (the steps read ``self.x`` at each call)."""
-        self.x = self._window if variant.startswith(_WINDOW) else self._plain
+        """The buffers the variant runs on (the steps read ``self.x`` at each call); the
+        shared windows of the window-* variants are made when the first of them runs
+        (collective: every rank runs the variants in the same order)."""
+        family = _family(variant)
+        if family not in self._sets:
+            comm, s = self.rank.comm, self._settings  # type: ignore[attr-defined]
+            np: Any = __import__("numpy")
+            self._sets[family] = [
+                comm.shared_empty(s.elements, np.float32) for _ in range(s.tensors)
+            ]
+        self.x = self._sets[family]
 
     def fill(self) -> None:
         for i, x in enumerate(self.x):
@@ -352,9 +357,10 @@ def _best(
     return min(rows, key=lambda r: r["seconds"]) if rows else None
 
 
-def _families(lib: str) -> list[tuple[str, str]]:
-    """(key in the summary, variant prefix) of each family of ``lib``'s variants."""
-    return [(lib, ""), (f"{lib} window", _WINDOW)] if lib == "asyncreduce" else [(lib, "")]
+def _families(lib: str) -> list[tuple[str, str, str]]:
+    """(key in the summary, library, variant prefix) of each family of ``lib``'s variants."""
+    plain = (lib, lib, "")
+    return [plain, (f"{lib} window", lib, _WINDOW)] if lib == "asyncreduce" else [plain]
 
 
 def summary(run: common.Run) -> dict[str, Any]:
@@ -362,8 +368,7 @@ def summary(run: common.Run) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for nprocs in run.settings["nprocs"]:
         entry: dict[str, Any] = {}
-        for key, family in (f for name in run.settings["libs"] for f in _families(name)):
-            lib = key.split()[0]
+        for key, lib, family in (f for name in run.settings["libs"] for f in _families(name)):
             seq = run.rows(lib=lib, nprocs=nprocs, variant=family + "sequential")
             best = _best(run, lib, nprocs, family=family)
             conc = _best(run, lib, nprocs, True, family)
@@ -418,8 +423,8 @@ def _table(run: common.Run, nprocs: int) -> str:
 def _verdicts(run: common.Run, nprocs: int) -> list[str]:
     entry = summary(run).get(str(nprocs), {})
     lines = []
-    for key, _ in (f for lib in common.LIBS for f in _families(lib)):
-        e, lib = entry.get(key), key.split()[0]
+    for key, lib, _ in (f for name in common.LIBS for f in _families(name)):
+        e = entry.get(key)
         if e and e["concurrent_vs_sequential"]:
             label = VARIANTS[(lib, e["best_concurrent_variant"])]
             lines.append(

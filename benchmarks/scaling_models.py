@@ -42,8 +42,9 @@ really computed by PyTorch on one thread per rank.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,14 +80,7 @@ class Layer:
 
     @property
     def params(self) -> int:
-        return sum(_numel(shape) for shape in self.shapes)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+        return sum(math.prod(shape) for shape in self.shapes)
 
 
 def _conv(name: str, c_in: int, c_out: int, k: int, out: int) -> Layer:
@@ -117,7 +111,8 @@ def _bottleneck(prefix: str, c_in: int, width: int, size: int, stride: int) -> l
     return layers
 
 
-def resnet50_layers() -> list[Layer]:
+@functools.cache
+def resnet50_layers() -> tuple[Layer, ...]:
     """Every parameter-owning layer of torchvision's ``resnet50()``, in registration order."""
     layers = [_conv("conv1", 3, 64, 7, 112), _bn("bn1", 64, 112)]
     c_in, size = 64, 56  # after the stride-2 stem and the 3x3/2 max-pool
@@ -128,7 +123,7 @@ def resnet50_layers() -> list[Layer]:
             c_in, size = width * _EXPANSION, size // step
     fc_flops = 2 * c_in * 1000
     layers.append(Layer("fc", "fc", ((1000, c_in), (1000,)), fc_flops))
-    return layers
+    return tuple(layers)  # cached: built once, shared by every caller
 
 
 class SleepClock:
@@ -178,7 +173,6 @@ class EmulatedLayer(nn.Module):
 
     def __init__(self, layer: Layer, forward_s: float, backward_s: float) -> None:
         super().__init__()
-        self.layer = layer
         self.forward_s, self.backward_s = forward_s, backward_s
         self.weight = nn.Parameter(torch.randn(layer.shapes[0]) * 0.01)
         self.bias = nn.Parameter(torch.zeros(layer.shapes[1])) if len(layer.shapes) > 1 else None

@@ -141,3 +141,9 @@ def survive_the_death_of_rank_2(comm: ar.Communicator, x: Any, delay: float) -> 
         assert time.monotonic() - start < 10, time.monotonic() - start
         return str(exc)
     raise AssertionError("100 allreduces went through without rank 2")
+
+
+def shm_files(pid: int | None = None) -> list[str]:
+    """asyncreduce's files in /dev/shm (of process ``pid`` only, if given): none may be left."""
+    prefix = "asyncreduce-" if pid is None else f"asyncreduce-{pid}-"
+    return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]

@@ -560,3 +560,26 @@ def test_busy_clock_counts_overlapping_spans_once_and_stays_bounded() -> None:
         clock.add(SimpleNamespace(posted_at=2.0 * i + 0.5, completed_at=2.0 * i + 1.5))  # type: ignore[arg-type]
     assert clock.total == pytest.approx(1500.0)
     assert len(clock._spans) <= 2 * clock._KEEP
+
+
+def body_bucket_path(comm: ar.Communicator) -> list[int]:
+    """Window allreduces of a 160 KiB bucket: one per step, on one host only."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 200)
+    dp = art.DataParallel(model, comm, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          mode="backward")  # fmt: skip
+    counts = []
+    for _ in range(2):
+        dp(torch.ones(4, 200)).sum().backward()
+        dp.step()
+        records = comm.flight_record()["records"]
+        counts.append(sum("in shared window" in r["what"] for r in records))
+    return counts
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, [1, 2]), ({"ASYNCREDUCE_SHM": "0"}, [0, 0])])
+def test_cpu_buckets_take_the_shared_window_on_one_host(
+    env: dict[str, str], want: list[int]
+) -> None:
+    results = run_ranks(2, body_bucket_path, env=env)
+    assert results == {0: want, 1: want}

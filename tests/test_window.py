@@ -17,13 +17,9 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
-from spmd import run_ranks, shuffled_in_threads, survive_the_death_of_rank_2
+from spmd import run_ranks, shm_files, shuffled_in_threads, survive_the_death_of_rank_2
 
 COUNT = 100_003  # above SMALL_ALLREDUCE_BYTES for every dtype here, and prime
-
-
-def _ours_in_dev_shm() -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"asyncreduce-{os.getpid()}-")]
 
 
 def _window_ops(comm: ar.Communicator) -> int:
@@ -35,7 +31,7 @@ def body_window(comm: ar.Communicator) -> dict[str, str]:
     digests = {}
     for dtype in (np.float32, np.float64, np.int64):
         x = comm.shared_empty((3, COUNT), dtype)
-        assert x.shape == (3, COUNT) and x.dtype == dtype and not _ours_in_dev_shm()
+        assert x.shape == (3, COUNT) and x.dtype == dtype and not shm_files(os.getpid())
         ramp = np.arange(3 * COUNT, dtype=dtype).reshape(3, COUNT)
         x[:] = ramp * (r + 1) + r
         assert comm.allreduce(x) is x
@@ -166,7 +162,7 @@ def test_a_rank_that_never_calls_shared_empty_times_the_others_out() -> None:
     results = run_ranks(2, body_alone)
     assert "timeout" in results[0] and "rank 1" in results[0], results[0]
     assert results[1] == "broken"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncreduce-")]
+    assert not shm_files()
 
 
 def body_victim(comm: ar.Communicator) -> str:
@@ -179,4 +175,4 @@ def test_a_rank_killed_during_window_allreduces_is_named_by_the_survivors() -> N
     messages = run_ranks(3, body_victim, expect_dead=frozenset({2}))
     assert set(messages) == {0, 1}
     assert all("rank 2" in m for m in messages.values()), messages
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("asyncreduce-")]
+    assert not shm_files()

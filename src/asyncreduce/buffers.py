@@ -59,16 +59,10 @@ def _dtype_of(np_dtype: np.dtype[Any], what: str) -> DType:
     return found
 
 
-def _by_numpy() -> dict[np.dtype[Any], DType]:
-    """Native-order numpy dtypes of the supported types (bfloat16 has none: torch only)."""
-    table: dict[np.dtype[Any], DType] = {}
-    for dtype in DTYPES.values():
-        if dtype.name != "bfloat16":
-            table[np.dtype(dtype.name)] = dtype
-    return table
-
-
-_BY_NUMPY = _by_numpy()
+#: Native-order numpy dtypes of the supported types (bfloat16 has none: torch only).
+_BY_NUMPY: dict[np.dtype[Any], DType] = {
+    d.storage: d for d in DTYPES.values() if d.name != "bfloat16"
+}
 
 
 def _numpy(x: Array, what: str, inplace: bool) -> Buffer:

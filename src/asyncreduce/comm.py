@@ -282,17 +282,16 @@ class Communicator:
         key = self._next_key(name)
         label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
         reduce = REDUCTION_CODES[op] if op else 0
-        found = None
+        window_arg = None  # (offset, peers' windows) when the buffer lies in a shared window
         if kind == "allreduce" and self._windows and buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:
             found = self._windows.find(buf.flat)  # small ones: recursive doubling is quicker
-        if found is not None:  # the window's number in the descriptor: every rank must agree
-            window, offset = found
-            root, shared = window.ident, (offset, window.peers)
+            if found is not None:  # the window's number in the descriptor: all ranks agree
+                window, offset = found
+                root, window_arg = window.ident, (offset, window.peers)
         desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, buf.flat.size)
         algo = build(
-            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root,
-            shared if found is not None else None,
-        )  # fmt: skip
+            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root, window_arg
+        )
         request: Request[Any] = Request(label, self._runner)
         if self._engine is None:  # a world of one: nothing to talk to
             algo.start()

@@ -26,7 +26,7 @@ import numpy as np
 from .algorithms import Array
 from .transport.shm import create_segment, open_segment
 
-__all__ = ["Window", "WindowError", "Windows", "RECORD_BYTES"]
+__all__ = ["WindowError", "Windows"]
 
 #: One rank's entry in the allgather: its file's size and the window's number (8 bytes each),
 #: then the file's path (NUL-padded).
@@ -46,12 +46,14 @@ class Window:
     mine: Array
     peers: dict[int, Array]
 
-    def offset_of(self, flat: Array) -> int | None:
-        """Where ``flat`` starts in this rank's window, or None if it is not wholly inside."""
-        start = flat.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
-        if start >= 0 and start + flat.nbytes <= self.mine.nbytes and flat.flags.c_contiguous:
-            return int(start)
-        return None
+    def __post_init__(self) -> None:
+        self.base: int = self.mine.__array_interface__["data"][0]  # address of byte 0
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """Where ``nbytes`` at ``address`` start in this rank's window, or None if they are
+        not wholly inside."""
+        start = address - self.base
+        return start if start >= 0 and start + nbytes <= self.mine.nbytes else None
 
 
 def _record(path: str, size: int, ident: int) -> Array:
@@ -130,8 +132,11 @@ class Windows:
 
     def find(self, flat: Array) -> tuple[Window, int] | None:
         """The window ``flat`` lies in and its offset there, or None."""
+        if not flat.flags.c_contiguous:
+            return None
+        address = flat.__array_interface__["data"][0]
         for window in self._windows:
-            offset = window.offset_of(flat)
+            offset = window.offset_of(address, flat.nbytes)
             if offset is not None:
                 return window, offset
         return None

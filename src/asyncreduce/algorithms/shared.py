@@ -39,7 +39,7 @@ import numpy as np
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .reduction import DType, combine, finalize
 
-__all__ = ["SharedAllreduce", "READY", "REDUCED", "RELEASED"]
+__all__ = ["SharedAllreduce"]
 
 READY, REDUCED, RELEASED = 0, 1, 2
 _OFFSET = np.dtype("<u8")
@@ -75,9 +75,9 @@ class SharedAllreduce(Collective):
         self._theirs: dict[int, Array] = {}  # peer -> its buffer, once it said READY
         self._seen: set[tuple[int, int, int]] = set()  # (src, step, seg)
         self._reduced = 0  # segments of my chunk reduced so far
-        self._heard = 0  # REDUCED messages received: each lets one more segment of mine go
         self._to_copy: list[tuple[int, int]] = []  # (peer, segment) final there, not yet here
         self._copied = 0
+        self._to_copy_in_all = sum(len(self._segs[p]) for p in self.peers)
         self._released = False
         self._left = {p: 2 + len(self._segs[p]) for p in self.peers}  # messages still to come
         self._expected = sum(self._left.values())
@@ -115,7 +115,6 @@ class SharedAllreduce(Collective):
             self._theirs[src] = self._peer_buffer(src, int(payload.view(_OFFSET)[0]))
         elif step == REDUCED:
             self._to_copy.append((src, seg))
-            self._heard += 1
         self._copy_ready()
         sends = self._reduce_next() if len(self._theirs) == len(self.peers) else []
         return sends + self._release()
@@ -137,7 +136,8 @@ class SharedAllreduce(Collective):
         here soon after it was written (still in the shared cache) and both ranks keep pace."""
         mine = self._segs[self.rank]
         sends = []
-        while self._reduced < min(len(mine), self._heard + 1):
+        heard = self._copied + len(self._to_copy)  # REDUCED messages received so far
+        while self._reduced < min(len(mine), heard + 1):
             a, b = mine[self._reduced]
             target = self.buffer[a:b]
             for peer in self.peers:
@@ -162,8 +162,8 @@ class SharedAllreduce(Collective):
     def _release(self) -> list[Send]:
         """Once every segment of mine is reduced and every peer's copied here, this rank reads
         no peer's buffer any more: say so, once."""
-        everything = sum(len(self._segs[p]) for p in self.peers)
-        done = self._reduced == len(self._segs[self.rank]) and self._copied == everything
+        mine = self._segs[self.rank]
+        done = self._reduced == len(mine) and self._copied == self._to_copy_in_all
         if done and not self._released:
             self._released = True
             return self._to_all(RELEASED, 0, self.buffer[:0])

@@ -156,12 +156,11 @@ class DataParallel(nn.Module):
         that on one host their allreduces read the peers' buffers in place; elsewhere the
         window is an ordinary array. {bucket index: its buffers}."""
         out: dict[int, list[torch.Tensor]] = {}
-        for dtype in sorted({g[0].dtype for g in groups if g[0].device.type == "cpu"}, key=str):
-            if dtype == torch.bfloat16:
-                continue  # numpy has no bfloat16: those buckets keep torch buffers
-            mine = [
-                i for i, g in enumerate(groups) if g[0].device.type == "cpu" and g[0].dtype == dtype
-            ]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, group in enumerate(groups):
+            if group[0].device.type == "cpu" and group[0].dtype != torch.bfloat16:
+                by_dtype.setdefault(group[0].dtype, []).append(i)  # numpy has no bfloat16
+        for dtype, mine in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
             window = self._comm.shared_empty(sum(sizes[i] for i in mine) * copies, np_dtype)
             window[:] = 0
@@ -329,9 +328,9 @@ class DataParallel(nn.Module):
                 if users == 0.0:
                     p.grad = None  # unused on every rank: as in single-process training
                 else:
-                    # a view of the bucket: the optimizer steps before the gradients are
-                    # cleared, and the bucket is refilled only after that (double_buffer and
-                    # forward alternate two buffers per bucket)
+                    # a view of the bucket: the optimizer steps and the gradients are
+                    # cleared before the bucket is refilled (forward: _apply_pending runs
+                    # before _post reuses it; double_buffer alternates two buffers)
                     p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
 

@@ -22,7 +22,7 @@ An unexpected message (wrong source, step, segment or size, or a duplicate) rais
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,8 +40,7 @@ class ProtocolError(Exception):
     """A message the algorithm did not expect: the ranks disagree about the operation."""
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(NamedTuple):
     """One message to send: to rank ``dst``, named ``(step, seg)``, carrying ``payload``."""
 
     dst: int

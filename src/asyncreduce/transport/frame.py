@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 __all__ = [
     "DATA",
@@ -75,15 +75,15 @@ class FrameError(Exception):
     """A frame that breaks the protocol: the connection it came on can no longer be trusted."""
 
 
-@dataclass(frozen=True, slots=True)
-class Descriptor:
-    """What every rank must agree on for one operation (wire codes)."""
+class Descriptor(NamedTuple):
+    """What every rank must agree on for one operation (wire codes). A tuple: it is built and
+    compared for every frame, and a tuple does both in C."""
 
     kind: int
     dtype: int
     reduce: int
     root: int
-    count: int
+    count: int  # type: ignore[assignment]  # (shadows tuple.count, which nobody calls)
 
 
 @dataclass(slots=True)

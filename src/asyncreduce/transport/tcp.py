@@ -161,10 +161,33 @@ class TcpTransport(Transport):
         target = self._peers.get(peer)
         if target is None:
             raise KeyError(f"rank {peer} is not connected")
+        idle = not target.queue and not target.inflight and not target.writing
+        if idle and (target.arena_out is None or payload.nbytes < SHM_MIN_BYTES):
+            self._send_now(target, head, payload, token, (-priority, age, 0))
+            return
         out = _Out((-priority, age, next(self._order)), head, payload, token)
         heapq.heappush(target.queue, out)
         if not target.inflight and not target.writing:  # writing: poll() flushes when it may
             self._flush(target)
+
+    def _send_now(
+        self, peer: _Peer, head: bytes, payload: memoryview, token: object, rank: tuple[int, ...]
+    ) -> None:
+        """A frame to an idle connection: straight into the socket, no queueing (the common
+        case of a small operation); what does not fit is queued in flight as usual."""
+        try:
+            n = peer.sock.sendmsg([head, payload])
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as exc:
+            peer.inflight.append(_Out(rank, head, payload, token))  # type: ignore[arg-type]
+            self._lose(peer, exc)  # which reports it unsent
+            return
+        if n == len(head) + payload.nbytes:
+            self.sink.on_sent(token)
+            return
+        peer.inflight.append(_Out(rank, head, payload, token, n))  # type: ignore[arg-type]
+        self._want_write(peer, True)
 
     def _flush(self, peer: _Peer) -> None:
         """Write queued frames until the socket is full; several small frames per sendmsg.

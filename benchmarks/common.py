@@ -29,7 +29,12 @@ the same number of collectives. Helpers for the report (tables, JSON, machine li
 units, the command-line checks, the worker set (``SetSpec`` says how it differs), the
 parent's loop over its reports (``drive_set``), the machine's description and the output.
 ``scaling.py`` runs workers of this protocol inside an emulated cluster instead, one rank per
-host (``cluster_env``, ``run_cluster_set``).
+host (``cluster_env``, ``run_cluster_set``), and so does ``overlap.py --hosts`` for every
+library (``run_set_in_cluster`` in place of ``run_set``, handed to ``parent_main`` as its
+``sets``): asyncreduce and Gloo ranks meet at host 0's address, Open MPI is one ``mpirun`` in
+host 0 over ``btl self,tcp`` on the cluster interface (``cluster_mpirun``, as ``links.py``
+runs it). A set's ``SetSpec.where`` (``"2 hosts @ 1gbit"``) names it in progress lines,
+``set_seconds`` and failures, and ``SetSpec.row`` is added to each of its result rows.
 """
 
 from __future__ import annotations
@@ -74,9 +79,14 @@ __all__ = [
     "base_parser",
     "busbw_gbps",
     "cluster_env",
+    "cluster_mpirun",
+    "cluster_unavailable",
+    "comma_list",
     "connect",
+    "failure_of",
     "format_size",
     "fmt_ms",
+    "host_count",
     "load_module",
     "machine_info",
     "machine_line",
@@ -85,7 +95,9 @@ __all__ = [
     "parse_size",
     "render_table",
     "run_cluster_set",
+    "run_set_in_cluster",
     "timed",
+    "worker_command",
     "worker_main",
 ]
 
@@ -168,6 +180,31 @@ def checked(parse: Callable[[str], object]) -> Callable[[str], str]:
         return text
 
     return check
+
+
+def comma_list(kind: str, parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """An argparse type: ``"a,b"`` -> ``[parse("a"), parse("b")]``, repeats dropped, in order.
+
+    ``kind`` names one item in the messages (``"bad rate list ..."``, ``"no rate given"``)."""
+
+    def convert(text: str) -> list[Any]:
+        try:
+            values = [parse(part.strip()) for part in text.split(",") if part.strip()]
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"bad {kind} list {text!r}: {exc}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"no {kind} given")
+        return list(dict.fromkeys(values))
+
+    return convert
+
+
+def host_count(text: str) -> int:
+    """A number of emulated hosts, one rank each: at least 2 (for ``comma_list``)."""
+    value = int(text)
+    if value < 2:
+        raise ValueError("at least 2 hosts")
+    return value
 
 
 def base_parser(
@@ -449,6 +486,9 @@ class SetSpec:
     silence: str = "report"  # "no <silence> for S s (hung?)"
     killed_first: bool = False  # name the ranks killed by a signal first when several fail
     limit_note: str = ""  # appended to the hard-timeout message
+    # where the set runs, when that is not simply N processes here (an emulated cluster):
+    where: str = ""  # e.g. "2 hosts @ 1gbit": in the progress tag, set_seconds and failures
+    row: dict[str, Any] = field(default_factory=dict)  # added to each result row and failure
 
 
 @dataclass
@@ -506,6 +546,18 @@ def package_root() -> Path | None:
     return Path(spec.origin).resolve().parents[1]
 
 
+def worker_command(spec: SetSpec) -> list[str]:
+    """The command line of one rank of ``spec`` (``mpirun`` goes in front for ``mpi*``)."""
+    args = spec.worker_args
+    if args is None:
+        args = ("--settings", json.dumps(spec.settings))
+    lib = "mpi" if spec.lib.startswith("mpi") else spec.lib
+    return [
+        sys.executable, str(spec.script.resolve()), "--worker", lib, *args,
+        "--parent-pid", str(os.getpid()), "--deadline", f"{spec.limit_s + 30:.0f}",
+    ]  # fmt: skip
+
+
 class WorkerSet:
     """N ranks of one library, each the leader of its own process group."""
 
@@ -515,13 +567,7 @@ class WorkerSet:
         self.logs: list[IO[bytes]] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.mpi = spec.lib.startswith("mpi")  # mpi, mpi-tcp: one mpirun starts the ranks
-        args = spec.worker_args
-        if args is None:
-            args = ("--settings", json.dumps(spec.settings))
-        command = [
-            sys.executable, str(spec.script.resolve()), "--worker", "mpi" if self.mpi else spec.lib,
-            *args, "--parent-pid", str(os.getpid()), "--deadline", f"{spec.limit_s + 30:.0f}",
-        ]  # fmt: skip
+        command = worker_command(spec)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
         src = package_root()
         if src is not None:  # the workers use the same asyncreduce as this process
@@ -680,9 +726,9 @@ def _take(message: dict[str, Any], spec: SetSpec, run: Run, progress: Progress) 
         progress.show(f"{set_tag(spec)} {message.get('step', '')} ...")
     elif event == "result":
         row = {k: v for k, v in message.items() if k != "event"}
-        run.results.append({"lib": spec.lib, "nprocs": spec.nprocs, **row})
+        run.results.append({"lib": spec.lib, "nprocs": spec.nprocs, **spec.row, **row})
     elif event == "note":
-        run.notes.append(f"{spec.lib} N={spec.nprocs}: {message.get('text', '')}")
+        run.notes.append(f"{set_name(spec)}: {message.get('text', '')}")
 
 
 def run_set(spec: SetSpec, run: Run, progress: Progress) -> None:
@@ -699,8 +745,19 @@ class Outcome(Protocol):
     set_seconds: dict[str, float]
 
 
+def set_name(spec: SetSpec) -> str:
+    """``"gloo N=2"``, or ``"gloo N=2 2 hosts @ 1gbit"`` where ``spec.where`` says more."""
+    return " ".join(filter(None, [spec.lib, f"N={spec.nprocs}", spec.where]))
+
+
 def set_tag(spec: SetSpec) -> str:
-    return f"[{spec.lib} N={spec.nprocs}]"
+    return f"[{set_name(spec)}]"
+
+
+def failure_of(spec: SetSpec, error: str, **detail: str) -> dict[str, Any]:
+    """A failed set as ``Run.failures`` holds it (``preamble`` shows ``where``)."""
+    where = {"where": spec.where} if spec.where else {}
+    return {"lib": spec.lib, "nprocs": spec.nprocs, **where, **spec.row, "error": error, **detail}
 
 
 def drive_set(
@@ -736,14 +793,13 @@ def drive_set(
         except WorkerSetError as exc:
             workers.kill()
             detail = workers.stderr_tail()
-            failure = {"lib": spec.lib, "nprocs": spec.nprocs, "error": str(exc)}
-            run.failures.append({**failure, "stderr": detail})
+            run.failures.append(failure_of(spec, str(exc), stderr=detail))
             progress.end(f"{tag} FAILED: {exc}")
             if detail:
                 print(detail, file=sys.stderr)
             return
     took = time.monotonic() - started
-    run.set_seconds[f"{spec.lib} N={spec.nprocs}"] = round(took, 2)
+    run.set_seconds[set_name(spec)] = round(took, 2)
     progress.end(f"{tag} done in {took:.1f} s")
 
 
@@ -809,21 +865,76 @@ class _ClusterLines:
 
 def run_cluster_set(
     c: Any, argv: Sequence[str], env: Callable[[int], dict[str, str]], limit_s: float,
-    take: Callable[[dict[str, Any]], None], mark: str = MARK,
+    take: Callable[[dict[str, Any]], None], mark: str = MARK, on: Sequence[int] | None = None,
 ) -> None:  # fmt: skip
     """Run ``argv`` once in every host of cluster ``c`` (``env(host)`` adds to its
-    environment) and hand each report of rank 0 to ``take`` as it comes. Raises
-    WorkerSetError, with the tail of the hosts' output, when a host fails, when rank 0 ends
-    without ``done``, or at ``limit_s`` (every process of the set is killed by then)."""
+    environment; ``on=[0]``: in host 0 only, for one ``mpirun``) and hand each report of rank
+    0 to ``take`` as it comes. Raises WorkerSetError, with the tail of the hosts' output, when
+    a host fails, when rank 0 ends without ``done``, or at ``limit_s`` (every process of the
+    set is killed by then)."""
     lines = _ClusterLines(take, mark)
     try:
-        codes = c.run(list(argv), env, timeout=limit_s, on_line=lines)
+        codes = c.run(list(argv), env, timeout=limit_s, on_line=lines, on=on)
     except TimeoutError as exc:
         raise WorkerSetError(f"{exc}\n{lines.tail()}") from None
     failed = [f"h{i} exited with {code}" for i, code in enumerate(codes) if code != 0]
     if failed or not lines.done:
         why = "; ".join(failed) or "rank 0 exited without reporting done"
         raise WorkerSetError(f"{why}\n{lines.tail()}")
+
+
+def cluster_unavailable(lib: str) -> str | None:
+    """Why ``lib`` cannot run across emulated hosts here, or None: ``unavailable``, and for
+    mpi also ``orted`` (mpirun starts it on the other hosts)."""
+    why = unavailable(lib)
+    if why is None and lib == "mpi" and shutil.which("orted") is None:
+        return "orted is not on PATH (install Open MPI)"
+    return why
+
+
+def cluster_mpirun(c: Any, argv: Sequence[str], forward: Sequence[str]) -> list[str]:
+    """``mpirun`` of ``argv`` with one rank per host of cluster ``c``, Open MPI over TCP on
+    the cluster's interface (``Cluster.mpirun_argv``), passing every rank the variables named
+    in ``forward`` (``-x``) from mpirun's environment; run it in host 0 (``on=[0]``)."""
+    return list(c.mpirun_argv(list(argv), extra=[a for name in forward for a in ("-x", name)]))
+
+
+_FORWARD = ("PYTHONPATH", "PYTHONUNBUFFERED")  # of cluster_env, what an mpi rank needs
+
+
+def _cluster_launch(
+    c: Any, spec: SetSpec, master_port: int
+) -> tuple[list[str], Callable[[int], dict[str, str]], list[int] | None]:
+    """(argv, env of each host, hosts to run it in) of ``spec``'s ranks in cluster ``c``."""
+    command = worker_command(spec)
+    if not spec.lib.startswith("mpi"):
+        return command, lambda host: {**cluster_env(c, host, master_port), **spec.env}, None
+    env = {k: v for k, v in cluster_env(c, 0, master_port).items() if k in _FORWARD}
+    env.update(spec.env)
+    return cluster_mpirun(c, command, list(env)), lambda host: env, [0]
+
+
+def run_set_in_cluster(
+    c: Any, spec: SetSpec, run: Run, progress: Progress, master_port: int = 29500
+) -> None:
+    """``run_set`` with one rank per host of cluster ``c`` (``spec.nprocs`` = ``c.hosts``)
+    instead of N processes here: asyncreduce and gloo ranks get ``cluster_env`` plus
+    ``spec.env``; mpi is one ``cluster_mpirun`` in host 0 that forwards ``spec.env`` too.
+    Results and a failure go to ``run`` as ``run_set`` records them; nothing is raised."""
+    tag, started = set_tag(spec), time.monotonic()
+    argv, env, on = _cluster_launch(c, spec, master_port)
+    progress.show(f"{tag} starting {spec.nprocs} ranks (hard limit {spec.limit_s:.0f} s) ...")
+    try:
+        run_cluster_set(
+            c, argv, env, spec.limit_s, lambda m: _take(m, spec, run, progress), spec.mark, on
+        )
+    except (WorkerSetError, OSError, RuntimeError) as exc:  # ClusterError is a RuntimeError
+        run.failures.append(failure_of(spec, str(exc)))
+        progress.end(f"{tag} FAILED: {exc}")
+        return
+    took = time.monotonic() - started
+    run.set_seconds[set_name(spec)] = round(took, 2)
+    progress.end(f"{tag} done in {took:.1f} s")
 
 
 # ---- the parent side: report ----------------------------------------------------------------
@@ -948,7 +1059,9 @@ def preamble(run: Run, machine: dict[str, Any]) -> list[str]:
     """The lines every report starts with: machine, skipped, failures, notes."""
     lines = [machine_line(machine)]
     lines += [f"skipped {lib}: {why}" for lib, why in run.skipped.items()]
-    lines += [f"FAILED {f['lib']} N={f['nprocs']}: {f['error']}" for f in run.failures]
+    for f in run.failures:
+        which = " ".join(filter(None, [f["lib"], f"N={f['nprocs']}", f.get("where")]))
+        lines.append(f"FAILED {which}: {f['error']}")
     lines += [f"note: {text}" for text in run.notes]
     return lines
 
@@ -1051,13 +1164,30 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+SetRunner = Callable[[Run, Sequence[str], Progress], None]  # (run, libraries, progress)
+
+
+def _sets_here(bench: Benchmark, nprocs: Sequence[int]) -> SetRunner:
+    """Every (N, library) set on this host, N by N."""
+
+    def run_all(run: Run, libs: Sequence[str], progress: Progress) -> None:
+        for n in nprocs:
+            for lib in libs:
+                run_set(bench.spec(lib, n), run, progress)
+
+    return run_all
+
+
 def parent_main(
     bench: Benchmark, run: Run, libs: Sequence[str], nprocs: Sequence[int],
     argv: Sequence[str], args: argparse.Namespace,
+    sets: SetRunner | None = None, why_not: Callable[[str], str | None] = unavailable,
 ) -> int:  # fmt: skip
     """Run every (N, library) set in turn, print the report, write JSON and plot.
 
     ``args`` supplies ``json``, ``plot`` and ``from_json`` (report a saved run instead).
+    ``sets(run, libs, progress)``, where given, runs the sets instead (e.g. in emulated
+    clusters, ``run_set_in_cluster``) with the libraries that ``why_not`` did not skip.
     """
     json_path, plot_path = args.json, args.plot
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
@@ -1066,14 +1196,12 @@ def parent_main(
     if args.from_json is not None:
         return replay(bench, args.from_json, plot_path)
     started, load_before = time.monotonic(), _load()
-    skip_unavailable(bench.name, libs, run.skipped)
+    skip_unavailable(bench.name, libs, run.skipped, why_not)
     progress = Progress()
     interrupted = False
     try:
-        for n in nprocs:
-            for lib in libs:
-                if lib not in run.skipped:
-                    run_set(bench.spec(lib, n), run, progress)
+        runner = sets or _sets_here(bench, nprocs)
+        runner(run, [lib for lib in libs if lib not in run.skipped], progress)
     except KeyboardInterrupt:  # the set is torn down already; report what we have
         interrupted = True
         progress.end(f"{bench.name} bench: interrupted; partial results follow")

@@ -44,7 +44,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from collections import deque
@@ -81,24 +80,8 @@ cluster: Any = common.load_module(
 # ---- command line ---------------------------------------------------------------------------
 
 
-def _list(kind: str, parse: Any) -> Any:
-    def convert(text: str) -> list[Any]:
-        try:
-            values = [parse(part.strip()) for part in text.split(",") if part.strip()]
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            raise argparse.ArgumentTypeError(f"bad {kind} list {text!r}: {exc}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"no {kind} given")
-        return list(dict.fromkeys(values))
-
-    return convert
-
-
-def _hosts(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise ValueError("at least 2 hosts")
-    return value
+_HOST_LIST = common.comma_list("host", common.host_count)
+_SIZE_LIST = common.comma_list("size", common.parse_size)
 
 
 def _lib(text: str) -> str:
@@ -116,10 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: asyncreduce bench links --quick --json results/links.json",
     )
     add = parser.add_argument
-    rates = _list("rate", common.checked(cluster.parse_rate))
+    rates = common.comma_list("rate", common.checked(cluster.parse_rate))
     add(
         "--hosts",
-        type=_list("host", _hosts),
+        type=_HOST_LIST,
         default=None,
         help=f"host counts (default {DEFAULT_HOSTS}; with --quick 2)",
     )
@@ -131,13 +114,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--sizes",
-        type=_list("size", common.parse_size),
+        type=_SIZE_LIST,
         default=None,
         help=f"buffer sizes, K/M suffixes (default {DEFAULT_SIZES})",
     )
     add(
         "--libs",
-        type=_list("library", _lib),
+        type=common.comma_list("library", _lib),
         default=list(LIBS),
         help=f"libraries (default {','.join(LIBS)}); missing ones are skipped",
     )
@@ -204,9 +187,9 @@ class Settings:
 def _settings(args: argparse.Namespace) -> Settings:
     quick = bool(args.quick)
     return Settings(
-        hosts=args.hosts or ([2] if quick else _list("host", _hosts)(DEFAULT_HOSTS)),
+        hosts=args.hosts or ([2] if quick else _HOST_LIST(DEFAULT_HOSTS)),
         rates=args.rates,
-        sizes=sorted(args.sizes or _list("size", common.parse_size)(DEFAULT_SIZES)),
+        sizes=sorted(args.sizes or _SIZE_LIST(DEFAULT_SIZES)),
         libs=args.libs,
         min_time=args.min_time or (QUICK_MIN_TIME if quick else DEFAULT_MIN_TIME),
         warmup=args.warmup or (QUICK_WARMUP if quick else DEFAULT_WARMUP),
@@ -293,13 +276,6 @@ class _Lines:
         )
 
 
-def _unavailable(lib: str) -> str | None:
-    why = common.unavailable(lib)
-    if why is None and lib == "mpi" and shutil.which("orted") is None:
-        return "orted is not on PATH (install Open MPI)"  # mpirun starts it on the other hosts
-    return why
-
-
 def _limit(settings: Settings, hosts: int, rate_bps: float) -> float:
     """Seconds a set may take: start-up, then ~10x the ideal time of every allreduce."""
     total = _STARTUP_S
@@ -345,7 +321,7 @@ def _run_set(c: Any, lib: str, settings: Settings, run: Run, rate: str) -> None:
     started = time.monotonic()
     try:
         if lib == "mpi":
-            mpi = c.mpirun_argv(argv, extra=["-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED"])
+            mpi = common.cluster_mpirun(c, argv, ["PYTHONPATH", "PYTHONUNBUFFERED"])
             codes = c.run(mpi, lambda i: _env(c, lib, i), timeout=limit, on_line=lines, on=[0])
         else:
             codes = c.run(argv, lambda i: _env(c, lib, i), timeout=limit, on_line=lines)
@@ -548,7 +524,7 @@ def _parent_main(
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    common.skip_unavailable("links", settings.libs, run.skipped, _unavailable)
+    common.skip_unavailable("links", settings.libs, run.skipped, common.cluster_unavailable)
     libs = [lib for lib in settings.libs if lib not in run.skipped]
     interrupted = False
     try:

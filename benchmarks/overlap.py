@@ -28,23 +28,48 @@ would write it (Open MPI progresses a non-blocking collective only inside MPI ca
 Every rank computes on its own core share: on a machine with fewer cores than ranks times two
 busy threads, communication and computation compete for the CPU and the overlap says so.
 
+One host or emulated hosts
+--------------------------
+By default the N ranks of a set run on this host and meet over the loopback (``common.py``):
+there an allreduce is memory copies and reductions, CPU work that competes with the ranks'
+computations for the same cores. In training the allreduce mostly waits on a network link
+while the CPU is free, which is what ``--hosts K`` measures: for every K and every rate of
+``--rate`` (default 1gbit) ``scripts/cluster.py`` builds K network namespaces on one switch,
+each behind a full-duplex link shaped by ``tc tbf`` (``--mtu``, default 1500), as
+``links.py`` does, and every set runs there with one rank per host
+(``common.run_set_in_cluster``): asyncreduce and Gloo meet at host 0's address, Open MPI is
+one ``mpirun`` in host 0 over ``btl self,tcp`` on the cluster interface
+(``Cluster.mpirun_argv``). The workers, the calibration and the formula are the same; the
+cluster is torn down after each (K, rate), whatever happens. Needs root, ``ip`` and ``tc``;
+without them ``--hosts`` fails at once and says why.
+
+Every result row records where it ran: ``hosts`` (1 on this host), ``rate`` and ``rate_bps``
+(None on the loopback) and ``mtu``; the table's ``setting`` column says it too (``1 host``,
+``2 hosts @ 1gbit``), and the summary is keyed by N on one host, ``"K hosts @ RATE"`` else.
+
 Run it as ``asyncreduce bench overlap [options]`` or ``python benchmarks/overlap.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py and allreduce.py
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))  # common.py, next to this file
 import common  # noqa: E402
+
+cluster: Any = common.load_module(
+    "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
+)
 
 __all__ = ["main", "overlap"]
 
@@ -55,6 +80,10 @@ QUICK_REPEATS = 3
 DEFAULT_MATRIX = 256
 _CALIBRATION_MATMULS = 20
 _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+DEFAULT_RATE = "1gbit"
+DEFAULT_MTU = 1500
+MASTER_PORT = 29500  # rank 0's store on an emulated host (the hosts are private)
+_SAY = "overlap bench: "
 _CALLS = {
     "asyncreduce": "iallreduce + wait",
     "gloo": "all_reduce(async_op=True) + wait",
@@ -71,6 +100,9 @@ class Settings:
     repeats: int
     warmup: int
     quick: bool
+    hosts: list[int] | None = None  # None: N ranks on this host; else one rank per emulated host
+    rates: list[str] = field(default_factory=list)  # with hosts: one cluster per (K, rate)
+    mtu: int | None = None  # with hosts: the links' MTU
 
 
 def overlap(t_comm: float, t_compute: float, t_both: float) -> float:
@@ -82,7 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = common.base_parser(
         "overlap",
         "How much of one non-blocking float32 allreduce hides behind numpy matmuls on the "
-        "caller's thread: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py).",
+        "caller's thread: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py). By default "
+        "the ranks share this host and the loopback, where the allreduce is CPU work competing "
+        "with the computation; --hosts K --rate R puts each rank on its own emulated host "
+        "behind a shaped link, where the allreduce waits on the link (needs root).",
         common.LIBS,
         DEFAULT_REPEATS,
         f"{common.format_size(QUICK_BYTES)} buffer, {QUICK_REPEATS} repeats",
@@ -102,36 +137,138 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup", type=common.positive_int, default=1, help="untimed rounds first (default 1)"
     )
+    _host_options(parser)
+    parser.epilog = (
+        f"{parser.epilog}; on emulated hosts: asyncreduce bench overlap --quick --hosts 2 "
+        "--rate 1gbit,10gbit"
+    )
     return parser
 
 
+def _host_options(parser: argparse.ArgumentParser) -> None:
+    """``--hosts``, ``--rate``, ``--mtu``: one rank per emulated host instead of the loopback."""
+    add = parser.add_argument
+    add("--hosts", type=common.comma_list("host", common.host_count), default=None,
+        metavar="K", help="one rank per emulated host, K hosts (or K1,K2,...) in place of "
+        "--nprocs on this host: network namespaces behind tc-tbf-shaped links "
+        "(scripts/cluster.py, as bench links); needs root, ip and tc")  # fmt: skip
+    add("--rate", type=common.comma_list("rate", common.checked(cluster.parse_rate)),
+        default=None, metavar="R", help="with --hosts: link rate(s), comma-separated, one "
+        f"cluster each (default {DEFAULT_RATE}; e.g. 1gbit,10gbit)")  # fmt: skip
+    add("--mtu", type=common.positive_int, default=None,
+        help=f"with --hosts: the links' MTU (default {DEFAULT_MTU})")  # fmt: skip
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    quick = bool(args.quick)
+    quick, hosts = bool(args.quick), args.hosts
     return Settings(
-        nprocs=args.nprocs,
+        nprocs=hosts or args.nprocs,
         libs=args.libs,
         bytes=args.bytes or (QUICK_BYTES if quick else DEFAULT_BYTES),
         matrix=args.matrix,
         repeats=args.repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS),
         warmup=args.warmup,
         quick=quick,
+        hosts=hosts,
+        rates=(args.rate or [DEFAULT_RATE]) if hosts else [],
+        mtu=(args.mtu or DEFAULT_MTU) if hosts else None,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
-    return common.bench_main(
-        "overlap", Path(__file__), argv, _parser(), _settings, _worker, _spec,
-        report, summary, plot,
-    )  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = common.parse(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    if args.worker:
+        return common.worker_main(args, _worker)
+    why = _why_not(args)
+    if why:
+        print(f"{_SAY}{why}", file=sys.stderr)
+        return 2
+    return _parent(_settings(args), argv, args)
 
 
-def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
+def _parent(s: Settings, argv: Sequence[str], args: argparse.Namespace) -> int:
+    """Every set on this host (``common.parent_main``), or in emulated clusters (``--hosts``)."""
+    spec = functools.partial(_spec, s, args.timeout)
+    bench = common.Benchmark("overlap", Path(__file__), spec, report, summary, plot)
+    run = common.Run("overlap", asdict(s))
+    if s.hosts is None or args.from_json is not None:
+        return common.parent_main(bench, run, s.libs, s.nprocs, argv, args)
+    sets = functools.partial(_on_hosts, s, args.timeout)
+    return common.parent_main(
+        bench, run, s.libs, s.nprocs, argv, args, sets, common.cluster_unavailable
+    )
+
+
+def _why_not(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run here (``--rate``/``--mtu`` without ``--hosts``, or no way
+    to emulate hosts), or None."""
+    if args.hosts is None:
+        return "--rate and --mtu need --hosts" if args.rate or args.mtu else None
+    why = None if args.from_json is not None else cluster.available()
+    return f"--hosts needs root, ip and tc to emulate hosts: {why}" if why else None
+
+
+def _spec(
+    s: Settings, timeout: float | None, lib: str, nprocs: int, rate: str | None = None
+) -> common.SetSpec:
+    """One set: N ranks here, or (``rate``) one per host of a cluster of N at ``rate``."""
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
     one = s.bytes * nprocs / slow_bytes_per_s  # one allreduce, pessimistic
+    if rate is not None:  # and the ring over the link, at half its rate
+        one += 2 * (nprocs - 1) / nprocs * s.bytes * 8 / (0.5 * cluster.parse_rate(rate))
     step = 60.0 + (s.warmup + 3) * 2 * one
     limit = timeout or common.STARTUP_S + 2 * step + s.repeats * 4 * one
-    return common.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step, dict(_ONE_THREAD))
+    where = "" if rate is None else _setting_name(nprocs, rate)
+    row = _where_row(nprocs, rate, s.mtu)
+    env = dict(_ONE_THREAD)
+    return common.SetSpec(
+        Path(__file__), lib, nprocs, asdict(s), limit, step, env, where=where, row=row
+    )
+
+
+def _setting_name(nprocs: int, rate: str | None) -> str:
+    """Where a set ran, in words: ``"1 host"`` (the loopback) or ``"2 hosts @ 1gbit"``."""
+    return "1 host" if rate is None else f"{nprocs} hosts @ {rate}"
+
+
+def _where_row(nprocs: int, rate: str | None, mtu: int | None) -> dict[str, Any]:
+    """What each result row records of where it ran."""
+    if rate is None:
+        return {"hosts": 1, "rate": None, "rate_bps": None, "mtu": None}
+    return {"hosts": nprocs, "rate": rate, "rate_bps": cluster.parse_rate(rate), "mtu": mtu}
+
+
+# ---- the parent on emulated hosts: one cluster per (K, rate) -------------------------------
+
+
+def _on_hosts(
+    s: Settings, timeout: float | None, run: common.Run, libs: Sequence[str],
+    progress: common.Progress,
+) -> None:  # fmt: skip
+    """``parent_main``'s sets with ``--hosts``: one cluster per (K, rate), K by K."""
+    for hosts in s.hosts or ():
+        for rate in s.rates:
+            _on_cluster(s, timeout, hosts, rate, run, libs, progress)
+
+
+def _on_cluster(
+    s: Settings, timeout: float | None, hosts: int, rate: str, run: common.Run,
+    libs: Sequence[str], progress: common.Progress,
+) -> None:  # fmt: skip
+    """Every library's set in one cluster of ``hosts`` at ``rate``, torn down after."""
+    try:
+        with cluster.Cluster(hosts, rate, mtu=s.mtu or DEFAULT_MTU) as c:
+            for lib in libs:
+                spec = _spec(s, timeout, lib, hosts, rate)
+                common.run_set_in_cluster(c, spec, run, progress, MASTER_PORT)
+    except cluster.ClusterError as exc:
+        for lib in libs:
+            run.failures.append(common.failure_of(_spec(s, timeout, lib, hosts, rate), str(exc)))
+        progress.end(f"{_SAY}cluster of {hosts} at {rate} failed: {exc}")
 
 
 # ---- the worker: one rank ------------------------------------------------------------------
@@ -231,45 +368,72 @@ def _summarize(comm: list[float], comp: list[float], both: list[list[float]]) ->
 
 
 def summary(run: common.Run) -> dict[str, Any]:
-    """Per N: each library's overlap (clipped) and its speed-up over comm + compute in turn."""
+    """Per N on one host (``"2"``), per ``"K hosts @ RATE"`` on emulated hosts: each library's
+    overlap (clipped) and its speed-up over comm + compute in turn."""
     out: dict[str, Any] = {}
     for r in run.results:
         serial = r["t_comm_s"] + r["t_compute_s"]
-        out.setdefault(str(r["nprocs"]), {})[r["lib"]] = {
+        key = str(r["nprocs"]) if r.get("rate") is None else _setting_name(r["nprocs"], r["rate"])
+        out.setdefault(key, {})[r["lib"]] = {
             "overlap": r["overlap"],
             "speedup_vs_serial": serial / r["t_both_s"],
         }
     return out
 
 
+def _rates(settings: dict[str, Any]) -> list[str | None]:
+    """The link rates of a run: ``[None]`` (the loopback) on one host."""
+    return list(settings["rates"]) if settings.get("hosts") else [None]
+
+
+def _failed(run: common.Run, lib: str, nprocs: int, rate: str | None) -> bool:
+    return any((f["lib"], f["nprocs"], f.get("rate")) == (lib, nprocs, rate) for f in run.failures)
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [
+        r["call"], common.fmt_ms(r["t_comm_s"]), common.fmt_ms(r["t_compute_s"]),
+        common.fmt_ms(r["t_both_s"]), common.fmt_ms(r["t_comm_s"] + r["t_compute_s"]),
+        f"{r['overlap']:.2f}", f"{r['overlap_raw']:+.2f}",
+        common.fmt_ms(r["compute_in_both_s"]), common.fmt_ms(r["wait_in_both_s"]),
+        str(r["matmuls"]),
+    ]  # fmt: skip
+
+
 def _table(run: common.Run, nprocs: int) -> str:
-    s = run.settings
     headers = [
-        "library", "call", "comm ms", "compute ms", "both ms", "serial ms", "overlap", "raw",
-        "compute in both ms", "wait after ms", "matmuls",
+        "setting", "library", "call", "comm ms", "compute ms", "both ms", "serial ms", "overlap",
+        "raw", "compute in both ms", "wait after ms", "matmuls",
     ]  # fmt: skip
     rows = []
-    for lib in common.LIBS:
-        for r in run.rows(lib=lib, nprocs=nprocs):
-            rows.append([
-                lib, r["call"], common.fmt_ms(r["t_comm_s"]), common.fmt_ms(r["t_compute_s"]),
-                common.fmt_ms(r["t_both_s"]), common.fmt_ms(r["t_comm_s"] + r["t_compute_s"]),
-                f"{r['overlap']:.2f}", f"{r['overlap_raw']:+.2f}",
-                common.fmt_ms(r["compute_in_both_s"]), common.fmt_ms(r["wait_in_both_s"]),
-                str(r["matmuls"]),
-            ])  # fmt: skip
-        if not run.rows(lib=lib, nprocs=nprocs) and run.failed(lib, nprocs):
-            rows.append([lib, "fail", *["-"] * (len(headers) - 2)])
-    title = (
-        f"N={nprocs}: one {common.format_size(s['bytes'])} float32 allreduce posted, then "
+    for rate in _rates(run.settings):
+        where = _setting_name(nprocs, rate)
+        for lib in common.LIBS:
+            found = run.rows(lib=lib, nprocs=nprocs, rate=rate)
+            rows += [[where, lib, *_cells(r)] for r in found]
+            if not found and _failed(run, lib, nprocs, rate):
+                rows.append([where, lib, "fail", *["-"] * (len(headers) - 3)])
+    title = _title(run.settings, nprocs)
+    if not rows:
+        return title + "\n(no results)"
+    return title + "\n" + common.render_table(headers, rows, left=3)
+
+
+def _title(s: dict[str, Any], nprocs: int) -> str:
+    if s.get("hosts"):
+        where = (
+            f"N={nprocs}, one rank per emulated host (network namespaces), each behind a link "
+            f"shaped by tc tbf both ways at {', '.join(s['rates'])}, MTU {s['mtu']}"
+        )
+    else:
+        where = f"N={nprocs} on one host (loopback)"
+    return (
+        f"{where}: one {common.format_size(s['bytes'])} float32 allreduce posted, then "
         f"matmuls of {s['matrix']}x{s['matrix']} float32 (numpy, 1 thread) sized to take about "
         f"as long, then wait; median of {s['repeats']}, slowest rank\n"
         "overlap = 1 - (both - max(comm, compute)) / min(comm, compute), clipped to [0, 1]; "
         "serial = comm + compute"
     )
-    if not rows:
-        return title + "\n(no results)"
-    return title + "\n" + common.render_table(headers, rows, left=2)
 
 
 def report(run: common.Run, machine: dict[str, Any]) -> str:
@@ -277,14 +441,21 @@ def report(run: common.Run, machine: dict[str, Any]) -> str:
 
 
 def plot(path: Path, run: common.Run) -> None:
-    """One panel per N: comm, compute, both and comm + compute per library (grouped bars)."""
+    """One panel per N: comm, compute, both and comm + compute per library (grouped bars),
+    and per link rate on emulated hosts."""
     plt = common.pyplot()
     ns = run.settings["nprocs"]
-    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), squeeze=False)
+    width = 2 + 4 * len(_rates(run.settings))  # 6 for one rate (3 libraries), +4 per rate
+    fig, axes = plt.subplots(1, len(ns), figsize=(width * len(ns), 4.5), squeeze=False)
     parts = [("t_comm_s", "allreduce alone"), ("t_compute_s", "compute alone"),
              ("t_both_s", "post, compute, wait"), ("serial", "comm + compute")]  # fmt: skip
     for ax, nprocs in zip(axes[0], ns, strict=True):
-        rows = [r for lib in common.LIBS for r in run.rows(lib=lib, nprocs=nprocs)]
+        rows = [
+            r
+            for rate in _rates(run.settings)
+            for lib in common.LIBS
+            for r in run.rows(lib=lib, nprocs=nprocs, rate=rate)
+        ]
         for j, (key, label) in enumerate(parts):
             values = [
                 (r["t_comm_s"] + r["t_compute_s"] if key == "serial" else r[key]) * 1e3
@@ -293,14 +464,18 @@ def plot(path: Path, run: common.Run) -> None:
             xs = [i + (j - 1.5) * 0.2 for i in range(len(rows))]
             ax.bar(xs, values, width=0.2, label=label, hatch="//" if key == "serial" else None)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([f"{r['lib']}\noverlap {r['overlap']:.2f}" for r in rows])
+        ax.set_xticklabels([_tick(r) for r in rows])
         ax.set_ylabel("ms (slowest rank, median)")
-        ax.set_title(
-            f"{common.format_size(run.settings['bytes'])} allreduce vs matmuls, N={nprocs}"
-        )
+        where = f"{nprocs} hosts" if run.settings.get("hosts") else f"N={nprocs}, 1 host"
+        ax.set_title(f"{common.format_size(run.settings['bytes'])} allreduce vs matmuls, {where}")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     common.save_figure(plt, fig, path)
+
+
+def _tick(r: dict[str, Any]) -> str:
+    rate = f"\n{r['rate']}" if r.get("rate") else ""
+    return f"{r['lib']}{rate}\noverlap {r['overlap']:.2f}"
 
 
 if __name__ == "__main__":

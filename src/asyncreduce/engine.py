@@ -162,6 +162,7 @@ class Operation:
     age: int = field(default=0, init=False)  # start order here: older operations' frames first
     posted_at: float = field(default_factory=time.time, init=False)  # wall clock, for the record
     started: float = field(default=0.0, init=False)  # monotonic, for the stall inspector
+    small: bool = field(default=False, init=False)  # latency-bound (see Engine._poll)
     record: Record | None = field(default=None, init=False)
 
 
@@ -323,10 +324,8 @@ class Engine(FrameSink):
 
     def _take_submitted(self) -> bool:
         """Start what was submitted; False once close() was asked for."""
-        while True:
+        while self._submitted:  # read without the lock: only this thread takes from it
             with self._lock:
-                if not self._submitted:
-                    return True
                 op = self._submitted.popleft()
             if op is None:
                 if self._aborting is not None:
@@ -337,6 +336,7 @@ class Engine(FrameSink):
                 self._fail(op, _broken_by(op, self._broken))
             else:
                 self._start(op)
+        return True
 
     def _close_all(self) -> None:
         with self._lock:
@@ -366,7 +366,7 @@ class Engine(FrameSink):
 
     def _spin_after(self, op: Operation) -> None:
         """A small operation started or ended: busy-poll for a while (see _poll)."""
-        if _payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES:
+        if op.small:
             self._spin_until = time.monotonic() + self.settings.spin
 
     def _poll_timeout(self) -> float:
@@ -435,6 +435,7 @@ class Engine(FrameSink):
             self._fail(op, _same_error(earlier, str(earlier)))
             return
         self._ops[op.key] = op
+        op.small = _payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
         self._spin_after(op)
         for peer in self._holding:
             self._send_control(peer, _posted(op), b"")
@@ -502,6 +503,8 @@ class Engine(FrameSink):
         self._finish_record(op, None)
         op.request.completed_at = time.perf_counter()
         op.request.set_result(value)
+        if op.small and self.settings.spin:
+            os.sched_yield()  # the waiter runs now, not after another round of the loop
 
     def _fail(self, op: Operation, error: BaseException) -> None:
         """Fail ``op`` at once; from here on nothing reads or writes the caller's buffer."""
@@ -625,7 +628,9 @@ class Engine(FrameSink):
                 self._send_control(peer, _posted(op), b"")
 
     def _take_held(self, key: Key) -> list[tuple[int, Header, memoryview]]:
-        held = self._unexpected.pop(key, [])
+        held = self._unexpected.pop(key, None)
+        if held is None:
+            return []
         self._held -= sum(p.nbytes for _, _, p in held)
         return held
 

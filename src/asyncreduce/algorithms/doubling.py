@@ -11,10 +11,18 @@ Theory of operation (n ranks, p the largest power of two <= n, extra = n - p):
 
 log2(p) + 2 rounds at most, each moving the whole buffer: right when latency, not bandwidth,
 decides. Messages of a later round may arrive before those of an earlier one; they wait.
-Every payload sent is a snapshot, because the buffer keeps changing after the send.
+Every payload sent is a snapshot, because the buffer keeps changing after the send. The
+message a rank is waiting for is combined straight from where it arrived (``on_view``);
+one that comes early is copied and waits.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import numpy as np
 
 from .base import Array, Collective, ProtocolError, Send
 from .reduction import DType, combine, finalize
@@ -32,29 +40,12 @@ class RecursiveDoubling(Collective):
         self.buffer = buffer
         self.dtype = dtype
         self.reduce_op = reduce_op
-        p = 1 << (world_size.bit_length() - 1)
-        self._extra = world_size - p
-        self._rounds = p.bit_length() - 1
+        self._extra, self._rounds, self._sits_out, self._sources = _schedule(rank, world_size)
         self._last_step = self._rounds + 1
-        self._sits_out = rank < 2 * self._extra and rank % 2 == 0
-        self._virtual = rank // 2 if rank < 2 * self._extra else rank - self._extra
         self._step = 0  # the next step this rank performs
         self._sent_step = 0
         self._early: dict[int, Array] = {}
-        self._sources = self._schedule()  # step -> the rank this one receives from
         self._expected = len(self._sources)
-
-    def _real(self, virtual: int) -> int:
-        return virtual * 2 + 1 if virtual < self._extra else virtual + self._extra
-
-    def _schedule(self) -> dict[int, int]:
-        """step -> the rank this one receives from at that step."""
-        if self._sits_out:
-            return {self._last_step: self.rank + 1}
-        steps = {s: self._real(self._virtual ^ (1 << (s - 1))) for s in range(1, self._rounds + 1)}
-        if self.rank < 2 * self._extra:
-            steps[0] = self.rank - 1
-        return steps
 
     @property
     def pending_sources(self) -> set[int]:
@@ -77,6 +68,18 @@ class RecursiveDoubling(Collective):
             raise ProtocolError(f"recursive doubling: unexpected step {step} from rank {src}")
         target = self.buffer if step == self._last_step else self.buffer.copy()
         return self._check_size("recursive doubling", target, nbytes)
+
+    def takes_view(self, src: int, step: int, seg: int) -> bool:
+        """The message this rank waits for now (not the final result): combined straight from
+        the view, with no copy of the buffer to receive into."""
+        current = not self.done and step == self._step and step != self._last_step
+        return current and seg == 0 and self._sources.get(step) == src
+
+    def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
+        if not self.takes_view(src, step, seg):
+            return super().on_view(src, step, seg, view)
+        self._check_size("recursive doubling", self.buffer, view.nbytes)
+        return self.on_message(src, step, seg, np.frombuffer(view, self.buffer.dtype))
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1
@@ -105,3 +108,24 @@ class RecursiveDoubling(Collective):
             if self.rank < 2 * self._extra:
                 sends.append(Send(self.rank - 1, self._last_step, 0, self.buffer.copy()))
         return sends
+
+
+@functools.cache
+def _schedule(rank: int, world_size: int) -> tuple[int, int, bool, Mapping[int, int]]:
+    """(extra, rounds, whether this rank sits out, {step: the rank it receives from then}).
+
+    The same for every operation of a communicator, so it is worked out once (read-only)."""
+    p = 1 << (world_size.bit_length() - 1)
+    extra = world_size - p
+    rounds = p.bit_length() - 1
+    if rank < 2 * extra and rank % 2 == 0:
+        return extra, rounds, True, MappingProxyType({rounds + 1: rank + 1})
+    virtual = rank // 2 if rank < 2 * extra else rank - extra
+
+    def real(v: int) -> int:
+        return v * 2 + 1 if v < extra else v + extra
+
+    steps = {s: real(virtual ^ (1 << (s - 1))) for s in range(1, rounds + 1)}
+    if rank < 2 * extra:
+        steps[0] = rank - 1
+    return extra, rounds, False, MappingProxyType(steps)

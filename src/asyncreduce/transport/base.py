@@ -25,8 +25,9 @@ class FrameSink(Protocol):
         """A writable byte buffer of exactly ``header.payload_len`` bytes, or None for a new one."""
 
     def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
-        """Consume a payload straight from shared memory (valid only during the call); False
-        asks for the usual path (``frame_buffer``, a copy, ``on_frame``)."""
+        """Consume a payload straight from where it lies (shared memory, or the transport's
+        receive staging; valid only during the call); False asks for the usual path
+        (``frame_buffer``, a copy, ``on_frame``)."""
 
     def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
         """A complete frame from ``peer``; ``payload`` is the buffer given by frame_buffer."""

@@ -417,6 +417,12 @@ class TcpTransport(Transport):
     def _start_payload(self, peer: _Peer) -> None:
         assert peer.header is not None
         size = peer.header.payload_len
+        if size and peer.hi - peer.lo >= size and peer.header.type == DATA:
+            staged = peer.stage_view[peer.lo : peer.lo + size]
+            if self.sink.frame_view(peer.rank, peer.header, staged):  # consumed where it lies
+                peer.lo += size
+                peer.header = None
+                return
         dest = self.sink.frame_buffer(peer.rank, peer.header)
         if dest is None:
             dest = memoryview(bytearray(size))

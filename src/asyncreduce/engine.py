@@ -116,7 +116,7 @@ class Settings:
     held_bytes: int = 1 << 30  # frames held for operations not posted here, before pausing
     flight_records: int = 1000  # operations the flight recorder keeps
     flight_dir: str | None = None  # where the flight record is written when the engine breaks
-    spin: float = 0.001  # busy-poll this long after a small operation starts (0: never)
+    spin: float = 250e-6  # busy-poll this long after a small operation's last event (0: never)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -348,11 +348,11 @@ class Engine(FrameSink):
             )
 
     def _poll(self) -> None:
-        """Move bytes. For ``settings.spin`` after a small operation started or ended,
-        busy-poll (yielding the core to any thread that wants it): a thread woken by the kernel
-        for every frame and every post adds tens of microseconds to an operation that lasts
-        about as long, and small operations tend to come in runs. Otherwise block until the
-        next beat or deadline, or until ``submit`` wakes us.
+        """Move bytes. For ``settings.spin`` after a small operation started, received a
+        frame or ended, busy-poll (yielding the core to any thread that wants it): a thread
+        woken by the kernel for every frame and every post adds tens of microseconds to an
+        operation that lasts about as long, and small operations tend to come in runs.
+        Otherwise block until the next beat or deadline, or until ``submit`` wakes us.
 
         No lost wake-up: ``_sleeping`` is set before the queue is looked at once more, and
         ``submit`` reads it after its append (both under the GIL, so in one order)."""
@@ -365,7 +365,7 @@ class Engine(FrameSink):
         self._sleeping = False
 
     def _spin_after(self, op: Operation) -> None:
-        """A small operation started or ended: busy-poll for a while (see _poll)."""
+        """A small operation started, heard from a peer or ended: busy-poll a while (_poll)."""
         if op.small:
             self._spin_until = time.monotonic() + self.settings.spin
 
@@ -680,6 +680,7 @@ class Engine(FrameSink):
             return False
         if not op.algo.takes_view(peer, header.step, header.seg):
             return False
+        self._spin_after(op)
         if self._matches(op, peer, header) and self._guarded(
             op, lambda: op.algo.on_view(peer, header.step, header.seg, view)
         ):
@@ -706,6 +707,7 @@ class Engine(FrameSink):
             elif header.key not in self._failed and self._broken is None:
                 self._hold(peer, header, payload)
             return
+        self._spin_after(op)
         if landed is not None and landed[0] is op:
             target = landed[1]
             if self._guarded(op, lambda: op.algo.on_message(peer, header.step, header.seg, target)):

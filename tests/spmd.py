@@ -59,16 +59,20 @@ def run_ranks(
     expect_dead: frozenset[int] = frozenset(),
     ranks: range | None = None,
     env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
 ) -> dict[int, Any]:
     """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}.
 
-    ``env`` is set in every rank before it joins (e.g. ASYNCREDUCE_SHM=0 for TCP only)."""
+    ``env`` is set in every rank before it joins (e.g. ASYNCREDUCE_SHM=0 for TCP only), then
+    ``rank_env[rank]`` in that rank only."""
     port = free_port()
     out = _CTX.Queue()
     started = ranks if ranks is not None else range(n)
     procs = {
         r: _CTX.Process(
-            target=_rank_main, args=(r, n, port, body, args, out, env or {}), daemon=True
+            target=_rank_main,
+            args=(r, n, port, body, args, out, {**(env or {}), **(rank_env or {}).get(r, {})}),
+            daemon=True,
         )
         for r in started
     }

@@ -18,6 +18,7 @@ the algorithm is fixed (see the comment on each).
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncreduce import cma
 from asyncreduce.algorithms import (
     DTYPES,
     REDUCTIONS,
@@ -35,12 +37,14 @@ from asyncreduce.algorithms import (
     Barrier,
     Collective,
     DType,
+    PeerMemory,
     ProtocolError,
     RecursiveDoubling,
     Ring,
     Send,
     SharedAllreduce,
     TreeBroadcast,
+    WindowMemory,
     build,
     combine,
     finalize,
@@ -48,6 +52,7 @@ from asyncreduce.algorithms import (
     segments,
     split,
 )
+from asyncreduce.cma import CrossMemory
 
 DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 COUNTS = [0, 1, 13, 1009]
@@ -1037,8 +1042,11 @@ def shared_machines(
     op: str,
     rng: np.random.Generator,
     segment_bytes: int = SEGMENT_BYTES,
+    memory: str = "window",
 ) -> list[SharedAllreduce]:
-    """One rank each, its buffer at a random aligned offset of a larger window."""
+    """One rank each, its buffer at a random aligned offset of a larger window. ``memory``:
+    how the peers read it, in the window (``WindowMemory``) or by cross-memory attach
+    (``CrossMemory``, reading this very process, in random small pieces)."""
     itemsize = data[0].itemsize
     windows, placed = [], []
     for r in range(n):
@@ -1046,18 +1054,16 @@ def shared_machines(
         window = np.full(offset + data[r].nbytes + int(rng.integers(0, 9)), 0xA5, np.uint8)
         windows.append(window)
         placed.append((offset, window[offset : offset + data[r].nbytes].view(data[r].dtype)))
+    piece = int(rng.choice([1, 8, 4096, cma.PIECE_BYTES]))
+    pids = {p: os.getpid() for p in range(n)}
+
+    def peers(r: int, offset: int, buf: np.ndarray) -> tuple[int, PeerMemory]:
+        if memory == "window":
+            return offset, WindowMemory({p: windows[p] for p in range(n) if p != r})
+        return CrossMemory.announce(buf), CrossMemory(pids, piece)
+
     return [
-        LateInput(
-            r,
-            n,
-            buf,
-            dtype,
-            op,
-            offset,
-            {p: windows[p] for p in range(n) if p != r},
-            segment_bytes,
-            data=data[r],
-        )  # fmt: skip
+        LateInput(r, n, buf, dtype, op, *peers(r, offset, buf), segment_bytes, data=data[r])
         for r, (offset, buf) in enumerate(placed)
     ]
 
@@ -1067,11 +1073,27 @@ def shared_machines(
 def test_shared_allreduce(
     n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int
 ) -> None:
+    check_shared_allreduce(n, count, segment_bytes, op, dtype_name, seed, "window")
+
+
+@fast(150)
+@segmented_allreduces
+def test_cross_memory_allreduce(
+    n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int
+) -> None:
+    """The same algorithm reading the peers' buffers with process_vm_readv (of this process)."""
+    check_shared_allreduce(n, count, segment_bytes, op, dtype_name, seed, "cma")
+
+
+def check_shared_allreduce(
+    n: int, count: int, segment_bytes: int, op: str, dtype_name: str, seed: int, memory: str
+) -> None:
     dtype = DTYPES[dtype_name]
     inputs = make_inputs(seed, n, count, dtype_name, op)
     want = reduce_expected(inputs, dtype_name, op, n)
     data = [to_storage(x, dtype_name) for x in inputs]
-    machines = shared_machines(n, data, dtype, op, np.random.default_rng(seed), segment_bytes)
+    rng = np.random.default_rng(seed)
+    machines = shared_machines(n, data, dtype, op, rng, segment_bytes, memory)
     net = ReleasingNetwork(machines, seed).run()  # type: ignore[arg-type]
     for r, m in enumerate(machines):
         net.results.setdefault(r, m.buffer.copy())  # a world of one is done at once
@@ -1083,8 +1105,8 @@ def test_shared_allreduce(
 
 
 def test_build_takes_the_shared_window_when_given() -> None:
-    buf, windows = np.zeros(4, np.float32), {1: np.zeros(16, np.uint8)}
-    machine = build("allreduce", 0, 2, buf, DTYPES["float32"], "sum", window=(0, windows))
+    buf, windows = np.zeros(4, np.float32), WindowMemory({1: np.zeros(16, np.uint8)})
+    machine = build("allreduce", 0, 2, buf, DTYPES["float32"], "sum", shared=(0, windows))
     assert isinstance(machine, SharedAllreduce)
     assert isinstance(build("allreduce", 0, 2, buf, DTYPES["float32"], "sum"), RecursiveDoubling)
 
@@ -1094,7 +1116,7 @@ def test_shared_allreduce_refuses_a_buffer_outside_the_peers_window(offset: int)
     """A READY naming bytes past the end of the peer's window, or misaligned, is refused."""
     dtype = DTYPES["float32"]
     machine = SharedAllreduce(0, 2, np.zeros(4, np.float32), dtype, "sum", 0,
-                              {1: np.zeros(24, np.uint8)})  # fmt: skip
+                              WindowMemory({1: np.zeros(24, np.uint8)}))  # fmt: skip
     machine.start()
     target = machine.recv_buffer(1, 0, 0, 8)
     target[:] = np.frombuffer(np.array([offset], "<u8").tobytes(), np.uint8)
@@ -1104,8 +1126,8 @@ def test_shared_allreduce_refuses_a_buffer_outside_the_peers_window(offset: int)
 
 def test_shared_allreduce_refuses_malformed_messages() -> None:
     dtype = DTYPES["float32"]
-    machine = SharedAllreduce(0, 3, np.zeros(4, np.float32), dtype, "sum", 0,
-                              {1: np.zeros(16, np.uint8), 2: np.zeros(16, np.uint8)})  # fmt: skip
+    windows = WindowMemory({1: np.zeros(16, np.uint8), 2: np.zeros(16, np.uint8)})
+    machine = SharedAllreduce(0, 3, np.zeros(4, np.float32), dtype, "sum", 0, windows)
     machine.start()
     bad = [(0, 0, 0, 8), (3, 0, 0, 8), (1, 3, 0, 0), (1, 0, 1, 8), (1, 0, 0, 7), (1, 1, 0, 4),
            (1, 1, 1, 0), (1, 2, 1, 0)]  # fmt: skip
@@ -1115,3 +1137,39 @@ def test_shared_allreduce_refuses_malformed_messages() -> None:
     machine.on_message(1, 1, 0, machine.recv_buffer(1, 1, 0, 0))
     with pytest.raises(ProtocolError, match="twice"):
         machine.recv_buffer(1, 1, 0, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-memory attach
+
+
+def test_cross_memory_reads_another_process_and_refuses_what_it_cannot() -> None:
+    """probe/read_into on a real child process: its token reads back; a wrong token, a dead
+    process or an address it does not map is refused, never a crash."""
+    token = os.urandom(16)
+    held = np.frombuffer(token, np.uint8).copy()
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the token is at the same address in the child
+        os.read(reader, 1)
+        os._exit(0)
+    try:
+        assert cma.probe(child, held.ctypes.data, token)
+        assert not cma.probe(child, held.ctypes.data, os.urandom(16))
+        assert not cma.probe(child, 8, token)  # the zero page: not mapped
+        out = np.zeros(16, np.uint8)
+        with pytest.raises(OSError):
+            cma.read_into(child, out.ctypes.data, 8, 16)
+    finally:
+        os.write(writer, b"x")
+        os.waitpid(child, 0)
+    assert not cma.probe(child, held.ctypes.data, token)  # it is gone
+
+
+def test_cross_memory_refuses_a_misaligned_or_unknown_buffer() -> None:
+    memory = CrossMemory({1: os.getpid()})
+    like = np.zeros(4, np.float32)
+    with pytest.raises(ProtocolError):
+        memory.buffer(1, CrossMemory.announce(like) + 2, like)
+    with pytest.raises(ProtocolError):
+        memory.buffer(2, CrossMemory.announce(like), like)

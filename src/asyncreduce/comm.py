@@ -17,6 +17,7 @@ import atexit
 import operator
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -27,8 +28,20 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import KINDS, REDUCTION_CODES, REDUCTIONS, SMALL_ALLREDUCE_BYTES, Array, build
+from . import cma
+from .algorithms import (
+    CROSS_MEMORY,
+    CROSS_MEMORY_BYTES,
+    KINDS,
+    REDUCTION_CODES,
+    REDUCTIONS,
+    SMALL_ALLREDUCE_BYTES,
+    Array,
+    PeerMemory,
+    build,
+)
 from .buffers import Buffer, as_buffer
+from .cma import CrossMemory
 from .engine import Engine, Operation, Settings
 from .errors import BrokenError, ClosedError, UsageError
 from .rendezvous import Store, gather, store_from_env_or_args
@@ -56,12 +69,18 @@ class Communicator:
     """A group of ``world_size`` ranks that run collectives together (see ``init``)."""
 
     def __init__(
-        self, rank: int, world_size: int, engine: Engine | None, one_host: bool = False
+        self,
+        rank: int,
+        world_size: int,
+        engine: Engine | None,
+        one_host: bool = False,
+        cross: CrossMemory | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._engine = engine
         self._one_host = one_host and engine is not None  # every peer shares memory with us
+        self._cross = cross if self._one_host else None  # ordinary buffers read in place too
         self._windows = Windows()
         self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
         self._key_lock = threading.Lock()
@@ -282,15 +301,17 @@ class Communicator:
         key = self._next_key(name)
         label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
         reduce = REDUCTION_CODES[op] if op else 0
-        window_arg = None  # (offset, peers' windows) when the buffer lies in a shared window
-        if kind == "allreduce" and self._windows and buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:
-            found = self._windows.find(buf.flat)  # small ones: recursive doubling is quicker
+        shared: tuple[int, PeerMemory] | None = None  # (what READY says, how peers are read)
+        if kind == "allreduce" and buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:  # small: doubling
+            found = self._windows.find(buf.flat) if self._windows else None
             if found is not None:  # the window's number in the descriptor: all ranks agree
                 window, offset = found
-                root, window_arg = window.ident, (offset, window.peers)
+                root, shared = window.ident, (offset, window.memory)
+            elif self._cross is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
+                root, shared = CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross)
         desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, buf.flat.size)
         algo = build(
-            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root, window_arg
+            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root, shared
         )
         request: Request[Any] = Request(label, self._runner)
         if self._engine is None:  # a world of one: nothing to talk to
@@ -405,6 +426,30 @@ def _share_memory(
     return arenas
 
 
+_CMA_RECORD = struct.Struct("<QQ16s")  # pid, address of the token, the token
+
+
+def _cross_memory(
+    store: Store, rank: int, world_size: int, deadline: float
+) -> CrossMemory | None:
+    """Cross-memory attach with every peer (all on this host), if every rank may read every
+    other's memory: each publishes its pid and a random token's address, reads every peer's
+    token, and all must succeed (so every rank picks the same algorithms). ASYNCREDUCE_CMA=0
+    on any rank turns it off for all."""
+    token = os.urandom(16)
+    held = np.frombuffer(token, np.uint8).copy()  # alive until every rank has probed it
+    wanted = os.environ.get("ASYNCREDUCE_CMA", "1") != "0" and cma.available()
+    mine = _CMA_RECORD.pack(os.getpid(), held.ctypes.data, token) if wanted else b""
+    remaining = max(0.001, deadline - time.monotonic())
+    records = gather(store, "asyncreduce/cma", rank, world_size, mine, remaining)
+    peers = {p: _CMA_RECORD.unpack(r) for p, r in enumerate(records) if p != rank and r}
+    ok = len(peers) == world_size - 1 and all(cma.probe(*record) for record in peers.values())
+    remaining = max(0.001, deadline - time.monotonic())
+    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, b"1" if ok else b"", remaining)
+    del held
+    return CrossMemory({p: r[0] for p, r in peers.items()}) if all(verdicts) else None
+
+
 def _leave_store(store: Store, rank: int, world_size: int, deadline: float) -> None:
     """Rank 0 serves the store: it closes it only once every other rank is done with it."""
     if rank != 0:
@@ -472,8 +517,10 @@ def init(
             ]
             socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
             arenas = _share_memory(store, rank, world_size, deadline)
+            one_host = len(arenas) == world_size - 1
+            cross = _cross_memory(store, rank, world_size, deadline) if one_host else None
             _leave_store(store, rank, world_size, deadline)
     finally:
         store.close()
     engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
-    return Communicator(rank, world_size, engine, one_host=len(arenas) == world_size - 1)
+    return Communicator(rank, world_size, engine, one_host, cross)

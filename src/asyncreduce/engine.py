@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .algorithms import (
+    CROSS_MEMORY,
     DTYPE_BY_CODE,
     KINDS,
     REDUCTION_CODES,
@@ -102,6 +103,8 @@ def describe(desc: Descriptor) -> str:
         parts.append(_REDUCE_NAMES[desc.reduce])
     if desc.kind == KINDS["broadcast"]:
         parts.append(f"root={desc.root}")
+    elif desc.kind == KINDS["allreduce"] and desc.root == CROSS_MEMORY:
+        parts.append("read by cross-memory attach")
     elif desc.kind == KINDS["allreduce"] and desc.root:
         parts.append(f"in shared window {desc.root}")
     return " ".join(parts)
@@ -459,6 +462,9 @@ class Engine(FrameSink):
             sends = step()
         except ProtocolError as exc:
             self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
+            return False
+        except OSError as exc:  # a peer's memory could not be read (cma.py): it died, or lied
+            self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc}"))
             return False
         except Exception as exc:
             log.exception("%s failed in its algorithm", op.label)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .algorithms import Array
+from .algorithms import Array, WindowMemory
 from .transport.shm import create_segment, open_segment
 
 __all__ = ["WindowError", "Windows"]
@@ -48,6 +48,7 @@ class Window:
 
     def __post_init__(self) -> None:
         self.base: int = self.mine.__array_interface__["data"][0]  # address of byte 0
+        self.memory = WindowMemory(self.peers)  # how SharedAllreduce reads the peers' parts
 
     def offset_of(self, address: int, nbytes: int) -> int | None:
         """Where ``nbytes`` at ``address`` start in this rank's window, or None if they are

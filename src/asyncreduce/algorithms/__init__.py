@@ -6,19 +6,19 @@ count, dtype, world size), so all ranks pick the same one without talking.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from .barrier import Barrier
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .doubling import RecursiveDoubling
 from .reduction import DTYPE_BY_CODE, DTYPES, REDUCTION_CODES, REDUCTIONS, DType, combine, finalize
 from .ring import Ring
-from .shared import SharedAllreduce
+from .shared import PeerMemory, SharedAllreduce, WindowMemory
 from .tree import TreeBroadcast
 
 __all__ = [
     "Array",
     "Barrier",
+    "CROSS_MEMORY",
+    "CROSS_MEMORY_BYTES",
     "Collective",
     "DType",
     "DTYPES",
@@ -31,8 +31,10 @@ __all__ = [
     "Ring",
     "SEGMENT_BYTES",
     "SMALL_ALLREDUCE_BYTES",
+    "PeerMemory",
     "Send",
     "SharedAllreduce",
+    "WindowMemory",
     "TreeBroadcast",
     "build",
     "combine",
@@ -43,6 +45,15 @@ __all__ = [
 
 #: Allreduces up to this size use recursive doubling (fewest rounds); larger ones the ring.
 SMALL_ALLREDUCE_BYTES = 64 << 10
+
+#: An allreduce descriptor's ``root`` when the ranks read each other's ordinary buffers by
+#: cross-memory attach (shared windows put their number there, 1 and up; 0: neither).
+CROSS_MEMORY = 0xFFFF_FFFF
+
+#: Allreduces of ordinary buffers from this size up read the peers' buffers by cross-memory
+#: attach where every rank can (below, the ring through the arenas is quicker: its kernel
+#: copies are cheaper than three rounds of messages).
+CROSS_MEMORY_BYTES = 2 << 20
 
 #: Operation kinds and their wire codes.
 KINDS: dict[str, int] = {
@@ -67,18 +78,19 @@ def build(
     dtype: DType,
     reduce_op: str = "sum",
     root: int = 0,
-    window: tuple[int, Mapping[int, Array]] | None = None,
+    shared: tuple[int, PeerMemory] | None = None,
 ) -> Collective:
     """The state machine for one rank's part of an operation.
 
     ``buffer`` is flat: the data (allreduce, broadcast, reduce_scatter) or the whole output
-    with this rank's block already in place (allgather). ``window`` (allreduce only): the
-    buffer's byte offset in this rank's shared window and every peer's window, when every rank
-    put its buffer in one (the descriptor says so, so all ranks agree).
+    with this rank's block already in place (allgather). ``shared`` (allreduce only): what
+    this rank's READY announces and how the peers' buffers are read, when every rank reads
+    the others' in place (shared windows, cross-memory attach; the descriptor says which, so
+    all ranks agree).
     """
     if kind == "allreduce":
-        if window is not None:
-            return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *window)
+        if shared is not None:
+            return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *shared)
         if buffer.nbytes <= SMALL_ALLREDUCE_BYTES:
             return RecursiveDoubling(rank, world_size, buffer, dtype, reduce_op)
         return Ring(rank, world_size, buffer, dtype, reduce_op, gather=True)

@@ -1,16 +1,19 @@
-"""Allreduce over shared windows: every rank reads its peers' buffers in place.
+"""Allreduce over shared memory: every rank reads its peers' buffers where they are.
 
-Theory of operation. When every rank of the job is on one host and the buffer lies in a
-shared window (``Communicator.shared_empty``), each rank can read every other rank's buffer
-directly, so no payload needs to travel: only tiny messages (two per pair, and one per
-segment). The buffer is cut into n chunks; rank r owns chunk r.
+Theory of operation. When every rank of the job is on one host, each rank can read every
+other rank's buffer directly, so no payload needs to travel: only tiny messages (two per
+pair, and one per segment). How a peer's buffer is read is a ``PeerMemory``: in place, when
+the buffers lie in shared windows (``Communicator.shared_empty``, ``WindowMemory``), or with
+one kernel copy per piece from the peer process (``asyncreduce.cma.CrossMemory``) for
+ordinary buffers. The buffer is cut into n chunks; rank r owns chunk r.
 
-* step 0, READY (8 bytes: where the buffer starts in the sender's window): "my buffer holds
-  my input". Once READY came from every peer, rank r reduces its chunk segment by segment
-  (``SEGMENT_BYTES``) in place, combining the peers' segment straight from their windows in
-  ascending rank order (so the result does not depend on arrival order), and after each sends
+* step 0, READY (8 bytes: where the buffer is, for the peers' ``PeerMemory``: its offset in
+  the sender's window, or its address): "my buffer holds my input". Once READY came from
+  every peer, rank r reduces its chunk segment by segment (``SEGMENT_BYTES``) in place,
+  combining the peers' segment in ascending rank order (so the result does not depend on
+  arrival order), and after each sends
 * step 1, REDUCED, segment j (empty): "segment j of chunk r is final in my window". On it,
-  rank r copies that segment out of the sender's window into its own buffer. The first
+  rank r copies that segment out of the sender's buffer into its own. The first
   segment is reduced at once, each further one after one more REDUCED came in: the segments
   are copied soon after they were written, while they are still in the cache the cores share
   (about 30% faster than whole chunks in a two-thread experiment), and the ranks keep pace.
@@ -32,22 +35,71 @@ the ring, and no payload crosses a socket.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 import numpy as np
 
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .reduction import DType, combine, finalize
 
-__all__ = ["SharedAllreduce"]
+__all__ = ["PeerBuffer", "PeerMemory", "SharedAllreduce", "WindowMemory"]
 
 READY, REDUCED, RELEASED = 0, 1, 2
 _OFFSET = np.dtype("<u8")
 
 
+class PeerBuffer(Protocol):
+    """One peer's buffer, as ``SharedAllreduce`` reads it."""
+
+    def read(self, start: int, stop: int) -> Iterator[tuple[int, Array]]:
+        """Elements [start, stop) as (first element, array) pieces, each valid until the next."""
+
+    def copy_to(self, out: Array, start: int) -> None:
+        """out[:] = elements [start, start + out.size)."""
+
+
+class PeerMemory(Protocol):
+    """Where the peers' buffers are, from what their READY said."""
+
+    def buffer(self, peer: int, where: int, like: Array) -> PeerBuffer:
+        """Rank ``peer``'s buffer, announced at ``where``, with ``like``'s dtype and size;
+        ProtocolError if it cannot be there."""
+
+
+class WindowMemory:
+    """Peers' buffers in shared windows mapped here: READY says the offset in the window."""
+
+    def __init__(self, windows: Mapping[int, Array]) -> None:
+        self.windows = windows  # peer -> its whole window (uint8)
+
+    def buffer(self, peer: int, where: int, like: Array) -> PeerBuffer:
+        window = self.windows.get(peer)
+        if window is None or where % like.itemsize or where + like.nbytes > window.nbytes:
+            size = "no" if window is None else f"its {window.nbytes}-byte"
+            raise ProtocolError(
+                f"shared allreduce: rank {peer} has {like.nbytes} bytes at offset {where} "
+                f"of {size} window"
+            )
+        return _Mapped(window[where : where + like.nbytes].view(like.dtype))
+
+
+class _Mapped:
+    """A peer's buffer mapped here: read in place."""
+
+    def __init__(self, view: Array) -> None:
+        self.view = view
+
+    def read(self, start: int, stop: int) -> Iterator[tuple[int, Array]]:
+        yield start, self.view[start:stop]
+
+    def copy_to(self, out: Array, start: int) -> None:
+        out[:] = self.view[start : start + out.size]
+
+
 class SharedAllreduce(Collective):
-    """Allreduce of ``buffer``, which starts ``offset`` bytes into this rank's window;
-    ``windows`` maps every peer to its whole window (uint8), readable here."""
+    """Allreduce of ``buffer``; this rank's READY announces ``where`` (its place for the
+    peers' ``PeerMemory``), and ``memory`` finds the peers' buffers from theirs."""
 
     def __init__(
         self,
@@ -56,8 +108,8 @@ class SharedAllreduce(Collective):
         buffer: Array,
         dtype: DType,
         reduce_op: str,
-        offset: int,
-        windows: Mapping[int, Array],
+        where: int,
+        memory: PeerMemory,
         segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         super().__init__(rank, world_size)
@@ -65,14 +117,12 @@ class SharedAllreduce(Collective):
         self.dtype = dtype
         self.reduce_op = reduce_op
         self.peers = [p for p in range(world_size) if p != rank]
-        if sorted(windows) != self.peers:
-            raise ValueError(f"rank {rank}: windows of ranks {sorted(windows)}, need {self.peers}")
-        self._windows = windows
+        self._memory = memory
         seg_elems = max(1, segment_bytes // dtype.itemsize)
         self._segs = [segments(a, b, seg_elems) for a, b in split(buffer.size, world_size)]
-        self._offset = np.array([offset], dtype=_OFFSET)
+        self._where = np.array([where], dtype=_OFFSET)
         self._inbox = {p: np.empty(_OFFSET.itemsize, np.uint8) for p in self.peers}
-        self._theirs: dict[int, Array] = {}  # peer -> its buffer, once it said READY
+        self._theirs: dict[int, PeerBuffer] = {}  # peer -> its buffer, once it said READY
         self._seen: set[tuple[int, int, int]] = set()  # (src, step, seg)
         self._reduced = 0  # segments of my chunk reduced so far
         self._to_copy: list[tuple[int, int]] = []  # (peer, segment) final there, not yet here
@@ -93,7 +143,7 @@ class SharedAllreduce(Collective):
         return step in (READY, RELEASED) and seg == 0
 
     def start(self) -> list[Send]:
-        return self._to_all(READY, 0, self._offset.view(np.uint8))
+        return self._to_all(READY, 0, self._where.view(np.uint8))
 
     def _to_all(self, step: int, seg: int, payload: Array) -> list[Send]:
         return [Send(p, step, seg, payload) for p in self.peers]
@@ -112,23 +162,13 @@ class SharedAllreduce(Collective):
         self._received += 1
         self._left[src] -= 1
         if step == READY:
-            self._theirs[src] = self._peer_buffer(src, int(payload.view(_OFFSET)[0]))
+            where = int(payload.view(_OFFSET)[0])
+            self._theirs[src] = self._memory.buffer(src, where, self.buffer)
         elif step == REDUCED:
             self._to_copy.append((src, seg))
         self._copy_ready()
         sends = self._reduce_next() if len(self._theirs) == len(self.peers) else []
         return sends + self._release()
-
-    def _peer_buffer(self, peer: int, offset: int) -> Array:
-        """The peer's buffer in its window; ProtocolError if it does not fit there."""
-        window = self._windows[peer]
-        nbytes = self.buffer.nbytes
-        if offset % self.buffer.itemsize or offset + nbytes > window.nbytes:
-            raise ProtocolError(
-                f"shared allreduce: rank {peer} has {nbytes} bytes at offset {offset} "
-                f"of its {window.nbytes}-byte window"
-            )
-        return window[offset : offset + nbytes].view(self.buffer.dtype)
 
     def _reduce_next(self) -> list[Send]:
         """Reduce my segments up to one more than the REDUCED messages heard so far: the first
@@ -141,7 +181,8 @@ class SharedAllreduce(Collective):
             a, b = mine[self._reduced]
             target = self.buffer[a:b]
             for peer in self.peers:
-                combine(self.dtype, self.reduce_op, target, self._theirs[peer][a:b])
+                for start, piece in self._theirs[peer].read(a, b):
+                    combine(self.dtype, self.reduce_op, target[start - a :][: piece.size], piece)
             finalize(self.dtype, self.reduce_op, target, self.world_size)
             sends += self._to_all(REDUCED, self._reduced, self.buffer[:0])
             self._reduced += 1
@@ -155,7 +196,7 @@ class SharedAllreduce(Collective):
                 waiting.append((peer, seg))
                 continue
             a, b = self._segs[peer][seg]
-            self.buffer[a:b] = self._theirs[peer][a:b]
+            self._theirs[peer].copy_to(self.buffer[a:b], a)
             self._copied += 1
         self._to_copy = waiting
 

@@ -1,0 +1,133 @@
+"""Cross-memory attach: reading a peer process's memory with one copy (``process_vm_readv``).
+
+Theory of operation. Ranks on one host whose kernel lets them (the same user, and no ptrace
+restriction against it: Yama's ptrace_scope 0, or CAP_SYS_PTRACE) can read each other's
+memory directly: the kernel copies from the peer's pages into this rank's, once, with no
+shared file and no arena in between. An allreduce of ordinary buffers (not from
+``shared_empty``) then runs as one over shared windows does (algorithms/shared.py): each rank
+announces where its buffer is, reduces its chunk reading the peers' parts piece by piece into
+a small scratch that stays in the cache, and copies the others' reduced chunks straight into
+its own buffer.
+
+Whether it works is probed once, when the communicator is built (``probe``): every rank
+publishes its pid and the address of a random token, reads every peer's, and the ranks use
+it only if every rank read every token right, so all of them pick the same algorithm. A
+read that fails later (the peer died: ESRCH; an address not mapped there: EFAULT) raises
+OSError and fails the operation. Nothing is ever written into a peer, and nothing a peer
+announces is trusted beyond what the kernel checks: a read lands only in this rank's own
+buffer or scratch, sized by this rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from .algorithms import Array, ProtocolError
+
+__all__ = ["CrossMemory", "available", "probe", "read_into"]
+
+PIECE_BYTES = 256 << 10  # what a reduction reads at a time: stays in the cache it is added from
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def _readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    readv = getattr(libc, "process_vm_readv", None)  # Linux 3.2 and later
+    if readv is not None:
+        iov = ctypes.POINTER(_IoVec)
+        readv.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
+        readv.restype = ctypes.c_ssize_t
+    return readv
+
+
+_PROCESS_VM_READV = _readv()
+
+
+def available() -> bool:
+    """Whether this system has process_vm_readv at all (see ``probe`` for permission)."""
+    return _PROCESS_VM_READV is not None
+
+
+def read_into(pid: int, dest: int, source: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at address ``source`` of process ``pid`` to ``dest`` here (with the GIL
+    released); OSError if the kernel refuses or reads less (the peer died, or the bytes are
+    not mapped there)."""
+    if _PROCESS_VM_READV is None:
+        raise OSError("process_vm_readv is not available on this system")
+    local, remote = _IoVec(dest, nbytes), _IoVec(source, nbytes)
+    got = _PROCESS_VM_READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if got != nbytes:
+        code = ctypes.get_errno() if got < 0 else 14  # EFAULT: part of it is not mapped
+        raise OSError(code, f"reading {nbytes} bytes of process {pid}: {os.strerror(code)}")
+
+
+def probe(pid: int, address: int, token: bytes) -> bool:
+    """Whether this process may read process ``pid``, which holds ``token`` at ``address``."""
+    seen = np.zeros(len(token), np.uint8)
+    try:
+        read_into(pid, seen.ctypes.data, address, len(token))
+    except OSError:
+        return False
+    return seen.tobytes() == token
+
+
+class CrossMemory:
+    """Reads the peers' buffers for ``SharedAllreduce`` (its ``PeerMemory``): a peer's READY
+    carries its buffer's address, read here with ``process_vm_readv`` of the peer's pid."""
+
+    def __init__(self, pids: Mapping[int, int], piece_bytes: int = PIECE_BYTES) -> None:
+        self._pids = dict(pids)
+        # one engine thread reads at a time; room for at least one element of any dtype
+        self._scratch = np.empty(max(piece_bytes, 8), np.uint8)
+
+    @staticmethod
+    def announce(buffer: Array) -> int:
+        """What this rank's READY says: its buffer's address."""
+        return int(buffer.ctypes.data)
+
+    def buffer(self, peer: int, where: int, like: Array) -> _PeerBuffer:
+        """Rank ``peer``'s buffer at address ``where``, of ``like``'s dtype and size."""
+        if peer not in self._pids:
+            raise ProtocolError(f"cross-memory allreduce: no process known for rank {peer}")
+        if where % like.itemsize or where + like.nbytes >= 1 << 64:
+            raise ProtocolError(
+                f"cross-memory allreduce: rank {peer} announced {like.nbytes} bytes at {where:#x}"
+            )
+        return _PeerBuffer(peer, self._pids[peer], where, like.dtype, self._scratch)
+
+
+class _PeerBuffer:
+    """One peer's buffer in another process: read in pieces, or copied straight into place."""
+
+    def __init__(self, rank: int, pid: int, address: int, dtype: np.dtype, scratch: Array) -> None:
+        self._rank, self._pid, self._address, self._dtype = rank, pid, address, dtype
+        self._scratch = scratch
+        self._piece = max(1, scratch.nbytes // dtype.itemsize)
+
+    def _read(self, dest: int, start: int, nbytes: int) -> None:
+        try:
+            read_into(self._pid, dest, self._address + start * self._dtype.itemsize, nbytes)
+        except OSError as exc:  # ESRCH: it is gone; anything else: it announced bad memory
+            raise OSError(exc.errno, f"could not read rank {self._rank}'s buffer: {exc}") from None
+
+    def read(self, start: int, stop: int) -> Iterator[tuple[int, Array]]:
+        """Elements [start, stop) as (first element, array) pieces, each valid until the next."""
+        for a in range(start, stop, self._piece):
+            n = min(self._piece, stop - a) * self._dtype.itemsize
+            self._read(self._scratch.ctypes.data, a, n)
+            yield a, self._scratch[:n].view(self._dtype)
+
+    def copy_to(self, out: Array, start: int) -> None:
+        """out[:] = elements [start, start + out.size)."""
+        self._read(out.ctypes.data, start, out.nbytes)

@@ -253,8 +253,11 @@ class _AsyncReduce(_Backend):
         return float(box[0])
 
     def algorithm(self, nbytes: int) -> str:
-        # read at run time: the threshold is the library's to change
-        return "doubling" if nbytes <= self._algorithms.SMALL_ALLREDUCE_BYTES else "ring"
+        # read at run time: the thresholds are the library's to change
+        if nbytes <= self._algorithms.SMALL_ALLREDUCE_BYTES:
+            return "doubling"
+        cross = self._comm._cross is not None  # every rank may read the others' memory
+        return "cma" if cross and nbytes >= self._algorithms.CROSS_MEMORY_BYTES else "ring"
 
     def close(self) -> None:
         self._comm.close()

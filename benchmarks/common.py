@@ -209,11 +209,13 @@ def host_count(text: str) -> int:
 
 def base_parser(
     name: str, description: str, libs: Sequence[str], repeats: int, quick: str,
-    known: Sequence[str] = LIBS,
+    known: Sequence[str] = LIBS, libs_default: str | None = None,
 ) -> argparse.ArgumentParser:  # fmt: skip
     """The options every one of these benchmarks has; each adds its own.
 
-    ``libs`` is the default selection, ``known`` what ``--libs`` accepts.
+    ``libs`` is the default selection, ``known`` what ``--libs`` (and ``--worker``) accepts.
+    ``libs_default``, where given, is the default in words for a benchmark that picks it
+    itself: ``--libs`` is then None unless given.
     """
     parser = argparse.ArgumentParser(
         prog=f"asyncreduce bench {name}",
@@ -226,9 +228,9 @@ def base_parser(
     parser.add_argument(
         "--libs",
         type=lib_list(known),
-        default=list(libs),
-        help=f"libraries, of {','.join(known)} (default {','.join(libs)}); missing ones are "
-        "skipped",
+        default=None if libs_default else list(libs),
+        help=f"libraries, of {','.join(known)} (default {libs_default or ','.join(libs)}); "
+        "missing ones are skipped",
     )
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every result here")
@@ -254,7 +256,8 @@ def base_parser(
         help="hard limit per (library, N) worker set (default: scaled to the work)",
     )
     # the worker side: how the parent starts the ranks; not for people
-    parser.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
+    workers = list(dict.fromkeys([*LIBS, *known]))
+    parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
     parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)

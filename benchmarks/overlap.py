@@ -13,9 +13,15 @@ of ``--bytes`` (32 MiB by default, summed in place):
 * ``t_both``: post, compute ``k`` matmuls, wait; the compute part and the wait are timed too.
 
 ``k`` is calibrated per library so that ``t_compute`` is about ``t_comm``: after a warm-up the
-allreduce alone is timed three times, and twenty matmuls three times (all ranks at once). Then
-``repeats`` rounds each time the three in turn (so drift hits all three alike); every time is
-the slowest rank's, and the median over rounds is reported. The overlap is
+allreduce alone is timed three times (the median counts), and a run of matmuls worth about
+25 ms five times (all ranks at once; how many, a first short probe says); ``k`` is
+``round(t_comm / per matmul)`` at the fastest of the five. The fastest, not the median: on a
+machine with fewer free cores than busy threads the scheduler now and then puts two ranks'
+computations on one core for a few milliseconds, and a run caught by that takes up to twice as
+long (short runs of twenty matmuls, median of three, once gave one library half the ``k`` of
+another in the same run); contention only ever slows a run down, so the fastest is the
+uncontended speed. Then ``repeats`` rounds each time the three in turn (so drift hits all three
+alike); every time is the slowest rank's, and the median over rounds is reported. The overlap is
 
     overlap = 1 - (t_both - max(t_comm, t_compute)) / min(t_comm, t_compute)
 
@@ -27,6 +33,26 @@ would write it (Open MPI progresses a non-blocking collective only inside MPI ca
 
 Every rank computes on its own core share: on a machine with fewer cores than ranks times two
 busy threads, communication and computation compete for the CPU and the overlap says so.
+
+The reference: raw TCP streams
+------------------------------
+Moving bytes over TCP costs CPU in the kernel (and on emulated hosts the veths, the bridge and
+the tbf queues run on the same cores as the ranks), so no TCP library can hide all of its
+communication here. The pseudo-library ``tcp`` measures how much any could: each rank moves
+exactly the bytes a ring allreduce moves over its link, 2(N-1)/N * ``--bytes`` to its right
+neighbour and as many from its left (N=2: the whole buffer both ways), over plain TCP sockets
+of its own, in two background threads (``sendall`` of whole buffers, ``recv_into`` woken per
+512 KiB by SO_RCVLOWAT; TCP_NODELAY and 4 MiB socket buffers, as asyncreduce's), and reduces
+nothing; "post" starts both threads, "wait" joins them (``rawtcp.py``, which says more). Its
+barrier and max are 8-byte messages on the same sockets, never during a timed transfer. It is a
+reference, not a library: its rows say so (the table: ``tcp (reference)``, "raw TCP streams, no
+reduction", and a line under the table; the JSON rows and the summary: ``"reference": true``,
+``false`` for the libraries; its rows also give ``bytes_each_way``), and otherwise go through
+the same calibration, rounds, formula, table, JSON and plot as the libraries. Its overlap is
+the ceiling this machine puts on any TCP library's, up to run-to-run noise (a few hundredths).
+It runs by default with ``--hosts`` (a few seconds per set); on one host only when ``--libs``
+names it, since there asyncreduce and Open MPI move the data through shared memory, not TCP, so
+it bounds Gloo alone.
 
 One host or emulated hosts
 --------------------------
@@ -54,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +93,7 @@ import numpy as np
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))  # common.py, next to this file
 import common  # noqa: E402
+import rawtcp  # noqa: E402
 
 cluster: Any = common.load_module(
     "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
@@ -78,16 +106,22 @@ QUICK_BYTES = 4 << 20
 DEFAULT_REPEATS = 5
 QUICK_REPEATS = 3
 DEFAULT_MATRIX = 256
-_CALIBRATION_MATMULS = 20
+_WARMUP_MATMULS = 20
+_PROBE_MATMULS = 5  # timed once, to size the calibration's runs
+_CALIBRATION_S = 0.025  # each calibration run of matmuls takes about this long
+_CALIBRATION_REPEATS = 5  # the fastest counts
 _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DEFAULT_RATE = "1gbit"
 DEFAULT_MTU = 1500
 MASTER_PORT = 29500  # rank 0's store on an emulated host (the hosts are private)
 _SAY = "overlap bench: "
+TCP = rawtcp.NAME  # the reference: raw TCP streams, no reduction, no library
+KNOWN = (*common.LIBS, TCP)  # what --libs accepts, in the table's order
 _CALLS = {
     "asyncreduce": "iallreduce + wait",
     "gloo": "all_reduce(async_op=True) + wait",
     "mpi": "Iallreduce + Wait",
+    TCP: "raw TCP streams, no reduction",
 }
 
 
@@ -114,13 +148,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = common.base_parser(
         "overlap",
         "How much of one non-blocking float32 allreduce hides behind numpy matmuls on the "
-        "caller's thread: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py). By default "
-        "the ranks share this host and the loopback, where the allreduce is CPU work competing "
-        "with the computation; --hosts K --rate R puts each rank on its own emulated host "
-        "behind a shaped link, where the allreduce waits on the link (needs root).",
+        "caller's thread: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py), and as a "
+        "reference (tcp) raw TCP streams moving the same bytes with no library and no "
+        "reduction. By default the ranks share this host and the loopback, where the allreduce "
+        "is CPU work competing with the computation; --hosts K --rate R puts each rank on its "
+        "own emulated host behind a shaped link, where the allreduce waits on the link (needs "
+        "root).",
         common.LIBS,
         DEFAULT_REPEATS,
         f"{common.format_size(QUICK_BYTES)} buffer, {QUICK_REPEATS} repeats",
+        known=KNOWN,
+        libs_default=f"{','.join(common.LIBS)}, and {TCP} with --hosts",
     )
     parser.add_argument(
         "--bytes",
@@ -163,7 +201,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     quick, hosts = bool(args.quick), args.hosts
     return Settings(
         nprocs=hosts or args.nprocs,
-        libs=args.libs,
+        libs=args.libs or _default_libs(hosts),
         bytes=args.bytes or (QUICK_BYTES if quick else DEFAULT_BYTES),
         matrix=args.matrix,
         repeats=args.repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS),
@@ -175,6 +213,12 @@ def _settings(args: argparse.Namespace) -> Settings:
     )
 
 
+def _default_libs(hosts: list[int] | None) -> list[str]:
+    """Every library, and on emulated hosts the reference too (on one host asyncreduce and Open
+    MPI move the data through shared memory, so raw TCP bounds only Gloo there)."""
+    return [*common.LIBS, TCP] if hosts else list(common.LIBS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -182,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     if args.worker:
-        return common.worker_main(args, _worker)
+        return common.worker_main(args, _worker, _connect)
     why = _why_not(args)
     if why:
         print(f"{_SAY}{why}", file=sys.stderr)
@@ -277,8 +321,17 @@ Post = Callable[[], Any]  # starts the allreduce, returns something to wait on
 Wait = Callable[[Any], None]
 
 
+def _connect(lib: str) -> common.Rank:
+    """Join the set as one rank of ``lib``: the reference's own sockets, or the library."""
+    return rawtcp.RawTcpRank() if lib == TCP else common.connect(lib)
+
+
 def _calls(rank: Any, count: int) -> tuple[Post, Wait]:
-    """How this library posts the allreduce of a zero buffer, and how it waits for it."""
+    """How this library posts the allreduce of a zero buffer, and how it waits for it (the
+    reference: the bytes a ring allreduce of it moves, both ways, nothing reduced)."""
+    if rank.lib == TCP:
+        streams = rank.streams(count * common.DTYPE_BYTES)
+        return streams.post, streams.wait
     if rank.lib == "asyncreduce":
         x = np.zeros(count, dtype=np.float32)
         return (lambda: rank.comm.iallreduce(x, name="overlap")), (lambda req: req.wait())
@@ -303,12 +356,33 @@ class _Compute:
             np.matmul(self.a, self.b, out=self.out)
 
 
-def _calibrate(rank: common.Rank, post: Post, wait: Wait, compute: _Compute) -> tuple[float, int]:
-    """(t_comm estimate, matmuls per round): ``k`` matmuls take about as long as the allreduce."""
+@dataclass(frozen=True)
+class _Calibration:
+    comm_s: float  # the allreduce alone, median of three
+    matmul_s: float  # one matmul, at the fastest of the calibration's runs
+    k: int  # matmuls per round: round(comm_s / matmul_s), at least 1
+
+
+def _calibrate(rank: common.Rank, post: Post, wait: Wait, compute: _Compute) -> _Calibration:
+    """``k`` matmuls take about as long as the allreduce: the allreduce's median of three, the
+    matmuls' fastest of five runs of about ``_CALIBRATION_S``.
+
+    The fastest, because a run can only be slowed by contention (on a machine with fewer free
+    cores than busy threads the scheduler at times puts two ranks' computations on one core,
+    and a short run caught by that takes twice as long): the minimum is the uncontended speed,
+    and a median of short runs could halve ``k``."""
     t_comm = common.median(common.timed(rank, lambda: wait(post()), 3, warmup=0))
-    per = common.median(common.timed(rank, lambda: compute.run(_CALIBRATION_MATMULS), 3, 0))
-    per /= _CALIBRATION_MATMULS
-    return t_comm, max(1, round(t_comm / per))
+    count = _calibration_matmuls(rank, compute)
+    fastest = min(common.timed(rank, lambda: compute.run(count), _CALIBRATION_REPEATS, 0))
+    per = fastest / count
+    return _Calibration(t_comm, per, max(1, round(t_comm / per)))
+
+
+def _calibration_matmuls(rank: common.Rank, compute: _Compute) -> int:
+    """How many matmuls take about ``_CALIBRATION_S``, from one short probe (the slowest rank's,
+    so every rank runs as many)."""
+    (probe,) = common.timed(rank, lambda: compute.run(_PROBE_MATMULS), 1, warmup=0)
+    return max(_PROBE_MATMULS, math.ceil(_CALIBRATION_S / probe * _PROBE_MATMULS))
 
 
 def _both(rank: common.Rank, post: Post, wait: Wait, compute: _Compute, k: int) -> list[float]:
@@ -326,22 +400,31 @@ def _both(rank: common.Rank, post: Post, wait: Wait, compute: _Compute, k: int) 
 
 def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
     s = Settings(**settings)
-    post, wait = _calls(rank, s.bytes // 4)
+    post, wait = _calls(rank, s.bytes // common.DTYPE_BYTES)
     compute = _Compute(s.matrix)
     tell("start", step="calibrate")
     for _ in range(s.warmup):
         wait(post())
-        compute.run(_CALIBRATION_MATMULS)
-        _both(rank, post, wait, compute, _CALIBRATION_MATMULS)
-    estimate, k = _calibrate(rank, post, wait, compute)
+        compute.run(_WARMUP_MATMULS)
+        _both(rank, post, wait, compute, _WARMUP_MATMULS)
+    cal = _calibrate(rank, post, wait, compute)
+    k = cal.k
     comm, comp, both = [], [], []
     for index in range(s.repeats):
         tell("start", step=f"round {index + 1}/{s.repeats} (k={k})")
         comm += common.timed(rank, lambda: wait(post()), 1, warmup=0)
         comp += common.timed(rank, lambda: compute.run(k), 1, warmup=0)
         both.append(_both(rank, post, wait, compute, k))
-    tell("result", call=_CALLS[rank.lib], bytes=s.bytes, matmuls=k, comm_estimate_s=estimate,
+    tell("result", call=_CALLS[rank.lib], bytes=s.bytes, matmuls=k, comm_estimate_s=cal.comm_s,
+         matmul_calibrated_s=cal.matmul_s, **_reference(rank, s.bytes),
          **_summarize(comm, comp, both))  # fmt: skip
+
+
+def _reference(rank: common.Rank, nbytes: int) -> dict[str, Any]:
+    """``reference``: whether this row is the raw-TCP reference, and if so what it moved."""
+    if rank.lib != TCP:
+        return {"reference": False}
+    return {"reference": True, "bytes_each_way": rawtcp.ring_bytes(rank.size, nbytes)}
 
 
 def _summarize(comm: list[float], comp: list[float], both: list[list[float]]) -> dict[str, Any]:
@@ -369,7 +452,8 @@ def _summarize(comm: list[float], comp: list[float], both: list[list[float]]) ->
 
 def summary(run: common.Run) -> dict[str, Any]:
     """Per N on one host (``"2"``), per ``"K hosts @ RATE"`` on emulated hosts: each library's
-    overlap (clipped) and its speed-up over comm + compute in turn."""
+    overlap (clipped), its speed-up over comm + compute in turn, and whether it is the
+    reference (``tcp``: raw TCP streams, no library)."""
     out: dict[str, Any] = {}
     for r in run.results:
         serial = r["t_comm_s"] + r["t_compute_s"]
@@ -377,6 +461,7 @@ def summary(run: common.Run) -> dict[str, Any]:
         out.setdefault(key, {})[r["lib"]] = {
             "overlap": r["overlap"],
             "speedup_vs_serial": serial / r["t_both_s"],
+            "reference": bool(r.get("reference")),  # raw TCP streams, no library
         }
     return out
 
@@ -408,15 +493,36 @@ def _table(run: common.Run, nprocs: int) -> str:
     rows = []
     for rate in _rates(run.settings):
         where = _setting_name(nprocs, rate)
-        for lib in common.LIBS:
+        for lib in KNOWN:
             found = run.rows(lib=lib, nprocs=nprocs, rate=rate)
-            rows += [[where, lib, *_cells(r)] for r in found]
+            rows += [[where, _label(lib), *_cells(r)] for r in found]
             if not found and _failed(run, lib, nprocs, rate):
-                rows.append([where, lib, "fail", *["-"] * (len(headers) - 3)])
+                rows.append([where, _label(lib), "fail", *["-"] * (len(headers) - 3)])
     title = _title(run.settings, nprocs)
     if not rows:
         return title + "\n(no results)"
-    return title + "\n" + common.render_table(headers, rows, left=3)
+    table = title + "\n" + common.render_table(headers, rows, left=3)
+    return table + _reference_note(run, nprocs)
+
+
+def _label(lib: str) -> str:
+    return f"{lib} (reference)" if lib == TCP else lib
+
+
+def _reference_note(run: common.Run, nprocs: int) -> str:
+    """The line under a table with a reference row: what that row is."""
+    found = run.rows(lib=TCP, nprocs=nprocs)
+    if not found:
+        return ""
+    each_way = common.format_size(found[0].get("bytes_each_way") or run.settings["bytes"])
+    bounds = "any TCP library" if run.settings.get("hosts") else "Gloo (the others use shm here)"
+    return (
+        f"\n{TCP} (reference): no library and no reduction: each rank sends {each_way} "
+        "(2(N-1)/N of the buffer, what a ring allreduce moves) to its right neighbour and "
+        "receives as much from its left over plain TCP sockets, in two threads (sendall / "
+        f"recv_into); its overlap is the most this machine lets {bounds} hide, up to "
+        "run-to-run noise"
+    )
 
 
 def _title(s: dict[str, Any], nprocs: int) -> str:
@@ -445,7 +551,7 @@ def plot(path: Path, run: common.Run) -> None:
     and per link rate on emulated hosts."""
     plt = common.pyplot()
     ns = run.settings["nprocs"]
-    width = 2 + 4 * len(_rates(run.settings))  # 6 for one rate (3 libraries), +4 per rate
+    width = 2 + 5 * len(_rates(run.settings))  # 7 for one rate (4 rows), +5 per rate
     fig, axes = plt.subplots(1, len(ns), figsize=(width * len(ns), 4.5), squeeze=False)
     parts = [("t_comm_s", "allreduce alone"), ("t_compute_s", "compute alone"),
              ("t_both_s", "post, compute, wait"), ("serial", "comm + compute")]  # fmt: skip
@@ -453,7 +559,7 @@ def plot(path: Path, run: common.Run) -> None:
         rows = [
             r
             for rate in _rates(run.settings)
-            for lib in common.LIBS
+            for lib in KNOWN
             for r in run.rows(lib=lib, nprocs=nprocs, rate=rate)
         ]
         for j, (key, label) in enumerate(parts):
@@ -475,7 +581,7 @@ def plot(path: Path, run: common.Run) -> None:
 
 def _tick(r: dict[str, Any]) -> str:
     rate = f"\n{r['rate']}" if r.get("rate") else ""
-    return f"{r['lib']}{rate}\noverlap {r['overlap']:.2f}"
+    return f"{_label(r['lib'])}{rate}\noverlap {r['overlap']:.2f}"
 
 
 if __name__ == "__main__":

@@ -3,17 +3,22 @@
 Each test runs ``python -m asyncreduce bench NAME`` as a user would (fresh worker processes,
 asyncreduce only, N=2, JSON out) and checks the document's structure and that every time is a
 positive finite number; the timings themselves are not judged. The overlap benchmark also runs
-once on two emulated hosts (``--quick --hosts 2 --rate 1gbit``, every library installed; root,
-``ip`` and ``tc`` needed, skipped otherwise), where every row must say where it ran; and without
-a way to emulate hosts, ``--hosts`` must refuse at once, saying why.
+its reference (``tcp``: raw TCP streams, no library) on one host, and once on two emulated hosts
+(``--quick --hosts 2 --rate 1gbit``, every library installed and the reference by default;
+root, ``ip`` and ``tc`` needed, skipped otherwise), where every row must say where it ran and the
+reference row must say it is one; without a way to emulate hosts, ``--hosts`` must refuse at
+once, saying why. The reference's sockets also meet and move bytes in a ring of three, in
+threads of this process.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 LIBS = ("asyncreduce", "gloo", "mpi")
+REFERENCE = "tcp"  # the overlap benchmark's raw TCP streams
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -38,6 +44,11 @@ def _cluster() -> ModuleType:
 
 
 def _run(name: str, tmp_path: Path, *options: str) -> dict[str, Any]:
+    return _run_with_output(name, tmp_path, *options)[0]
+
+
+def _run_with_output(name: str, tmp_path: Path, *options: str) -> tuple[dict[str, Any], str]:
+    """The JSON document and the printed report of ``asyncreduce bench NAME`` (N=2)."""
     out = tmp_path / f"{name}.json"
     command = [
         sys.executable, "-m", "asyncreduce", "bench", name, "--nprocs", "2",
@@ -52,7 +63,7 @@ def _run(name: str, tmp_path: Path, *options: str) -> dict[str, Any]:
     assert document["machine"]["cores"] >= 1
     assert "--json" in document["command"]["argv"]
     assert document["elapsed_s"] > 0
-    return document
+    return document, done.stdout
 
 
 def _positive(*values: Any) -> bool:
@@ -85,17 +96,89 @@ def _expected(row: dict[str, Any]) -> float:
     return float(1 - (row["t_both_s"] - max(t_comm, t_compute)) / min(t_comm, t_compute))
 
 
-def test_overlap_benchmark_writes_json(tmp_path: Path) -> None:
-    document = _run("overlap", tmp_path, "--bytes", "1M", "--repeats", "2", "--matrix", "64")
-    (r,) = document["results"]
-    assert r["lib"] == "asyncreduce" and r["call"] == "iallreduce + wait" and r["matmuls"] >= 1
+def _check_overlap_row(r: dict[str, Any], repeats: int) -> None:
+    """Finite positive times, an overlap in [0, 1] and the formula, from the row itself."""
+    assert r["matmuls"] >= 1 and _positive(r["matmul_calibrated_s"], r["comm_estimate_s"])
     assert _positive(r["t_comm_s"], r["t_compute_s"], r["t_both_s"], r["compute_in_both_s"])
-    assert len(r["both_repeats_s"]) == 2 and _positive(*r["both_repeats_s"])
+    for key in ("comm_repeats_s", "compute_repeats_s", "both_repeats_s"):
+        assert len(r[key]) == repeats and _positive(*r[key]), (key, r)
     assert 0.0 <= r["overlap"] <= 1.0 and math.isfinite(r["overlap_raw"])
     assert r["overlap_raw"] == pytest.approx(_expected(r))
-    assert document["summary"]["2"]["asyncreduce"]["overlap"] == r["overlap"]
+    assert r["overlap"] == pytest.approx(min(1.0, max(0.0, r["overlap_raw"])))
+
+
+def _check_reference(r: dict[str, Any], summary: dict[str, Any], report: str) -> None:
+    """The reference row says it is one, in the row, the summary and the table."""
+    assert r["lib"] == REFERENCE and r["reference"] is True, r
+    assert r["call"] == "raw TCP streams, no reduction"
+    assert r["bytes_each_way"] == r["bytes"]  # N=2: 2(N-1)/N of the buffer = all of it
+    assert summary[REFERENCE]["reference"] is True
+    assert summary[REFERENCE]["overlap"] == r["overlap"]
+    assert "tcp (reference)" in report and "raw TCP streams, no reduction" in report
+    assert "tcp (reference): no library and no reduction" in report
+
+
+def test_overlap_benchmark_writes_json(tmp_path: Path) -> None:
+    document, report = _run_with_output(
+        "overlap", tmp_path, "--bytes", "1M", "--repeats", "2", "--matrix", "64",
+        "--libs", f"asyncreduce,{REFERENCE}",
+    )  # fmt: skip
+    rows = {r["lib"]: r for r in document["results"]}
+    assert sorted(rows) == ["asyncreduce", REFERENCE] and len(document["results"]) == 2
+    r = rows["asyncreduce"]
+    assert r["call"] == "iallreduce + wait" and r["reference"] is False
+    assert "bytes_each_way" not in r
+    summary = document["summary"]["2"]
+    assert summary["asyncreduce"]["overlap"] == r["overlap"]
+    assert summary["asyncreduce"]["reference"] is False
+    _check_reference(rows[REFERENCE], summary, report)
+    for r in rows.values():
+        _check_overlap_row(r, repeats=2)
+        assert (r["hosts"], r["rate"], r["rate_bps"], r["mtu"]) == (1, None, None, None)
     assert document["settings"]["hosts"] is None and document["settings"]["mtu"] is None
-    assert (r["hosts"], r["rate"], r["rate_bps"], r["mtu"]) == (1, None, None, None)
+
+
+def test_overlap_reference_is_opt_in_on_one_host() -> None:
+    overlap = _load("asyncreduce_benchmarks.overlap", BENCHMARKS / "overlap.py")
+    one_host = overlap._settings(overlap._parser().parse_args([]))
+    assert one_host.libs == list(LIBS)
+    hosts = overlap._settings(overlap._parser().parse_args(["--hosts", "2"]))
+    assert hosts.libs == [*LIBS, REFERENCE]
+    chosen = overlap._settings(overlap._parser().parse_args(["--hosts", "2", "--libs", "gloo"]))
+    assert chosen.libs == ["gloo"]
+
+
+def test_raw_tcp_ring_of_three_meets_moves_and_agrees() -> None:
+    """Three reference ranks in threads: each receives its left neighbour's bytes, exactly a
+    ring allreduce's share each way (2(N-1)/N, more than the buffer: cycled over), and max
+    and barrier agree."""
+    rawtcp = _load("asyncreduce_benchmarks.rawtcp", BENCHMARKS / "rawtcp.py")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master = ("127.0.0.1", probe.getsockname()[1])
+    nbytes = (1 << 20) + 12
+    found: dict[int, tuple[float, bytes, int]] = {}
+
+    def rank(r: int) -> None:
+        me = rawtcp.RawTcpRank(r, 3, master)
+        streams = me.streams(nbytes)
+        streams.sending[:] = bytes([r + 1]) * nbytes
+        for _ in range(2):
+            me.barrier()
+            streams.wait(streams.post())
+        found[r] = (me.max(float(10 * r)), bytes(streams.receiving), streams.each_way)
+        me.barrier()
+        me.close()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(found) == [0, 1, 2], "a rank failed or hung"
+    for r, (largest, received, each_way) in found.items():
+        assert largest == 20.0 and each_way == rawtcp.ring_bytes(3, nbytes) == 4 * nbytes // 3
+        assert received == bytes([(r - 1) % 3 + 1]) * nbytes, f"rank {r} got someone else's"
 
 
 @pytest.mark.skipif(
@@ -114,16 +197,18 @@ def test_overlap_benchmark_on_two_emulated_hosts(tmp_path: Path) -> None:
     assert document["failures"] == []
     s = document["settings"]
     assert (s["hosts"], s["nprocs"], s["rates"], s["mtu"]) == ([2], [2], ["1gbit"], 1500)
-    ran = [lib for lib in LIBS if lib not in document["skipped"]]
-    assert "asyncreduce" in ran
+    ran = [lib for lib in (*LIBS, REFERENCE) if lib not in document["skipped"]]
+    assert "asyncreduce" in ran and REFERENCE in ran  # the reference runs by default here
     rows = {r["lib"]: r for r in document["results"]}
     assert sorted(rows) == sorted(ran) and len(document["results"]) == len(ran)
+    summary = document["summary"]["2 hosts @ 1gbit"]
     for lib, r in rows.items():
         assert (r["nprocs"], r["hosts"], r["rate"], r["mtu"]) == (2, 2, "1gbit", 1500), r
-        assert r["rate_bps"] == 1e9 and r["bytes"] == 4 << 20 and r["matmuls"] >= 1
-        assert _positive(r["t_comm_s"], r["t_compute_s"], r["t_both_s"], *r["both_repeats_s"])
-        assert len(r["comm_repeats_s"]) == 3 and r["overlap_raw"] == pytest.approx(_expected(r))
-        assert document["summary"]["2 hosts @ 1gbit"][lib]["overlap"] == r["overlap"]
+        assert r["rate_bps"] == 1e9 and r["bytes"] == 4 << 20
+        _check_overlap_row(r, repeats=3)
+        assert summary[lib]["overlap"] == r["overlap"]
+        assert r["reference"] is (lib == REFERENCE) and summary[lib]["reference"] is r["reference"]
+    _check_reference(rows[REFERENCE], summary, done.stdout)
 
 
 def test_overlap_on_hosts_says_why_it_cannot(

@@ -173,19 +173,36 @@ class Network:
         self.received_by[f.dst] += 1
         self.log.append(f)
         assert m.pending_sources <= set(range(self.n)) - {f.dst}
-        assert bool(m.pending_sources) != m.done, (m.done, m.pending_sources)
-        if m.done:
-            missing = self.must_start(f.dst) - self.started
-            assert not missing, f"rank {f.dst} finished before ranks {sorted(missing)} started"
+        self._settled(f.dst)
         if self.probe and self.dup_probe_ok(f):
             with pytest.raises(ProtocolError):
                 m.recv_buffer(f.src, f.step, f.seg, len(f.sent))
+
+    def _settled(self, rank: int) -> None:
+        """After a message or a unit of work: done exactly when nothing is awaited or left."""
+        m = self.machines[rank]
+        assert m.done == (not m.pending_sources and not m.has_work), (m.done, m.pending_sources)
+        if m.done:
+            missing = self.must_start(rank) - self.started
+            assert not missing, f"rank {rank} finished before ranks {sorted(missing)} started"
+
+    def _work(self, rank: int) -> None:
+        m = self.machines[rank]
+        with quiet_floats():
+            sends = m.work()
+        self._post(rank, sends)
+        self._settled(rank)
 
     def _finish_pending(self, key: tuple[int, int]) -> None:
         self._consume(*self.pending.pop(key))
 
     def step(self) -> bool:
-        """Deliver (or finish) one message to a started rank; False once nothing can move."""
+        """Deliver (or finish) one message to a started rank, or let one do a unit of its
+        own work; False once nothing can move."""
+        busy = [r for r in sorted(self.started) if self.machines[r].has_work]
+        if busy and (not (self.in_flight or self.pending) or self.rng.random() < 0.3):
+            self._work(self.rng.choice(busy))
+            return True
         if self.in_flight and (not self.pending or self.rng.random() < 0.8):
             f = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
             if (f.dst, f.src) in self.pending:  # one receive per source at a time
@@ -1026,12 +1043,12 @@ class ReleasingNetwork(Network):
 
     results: dict[int, np.ndarray] = field(default_factory=dict)
 
-    def _consume(self, f: Flight, target: np.ndarray) -> None:
-        super()._consume(f, target)
-        machine = self.machines[f.dst]
+    def _settled(self, rank: int) -> None:
+        super()._settled(rank)
+        machine = self.machines[rank]
         assert isinstance(machine, SharedAllreduce)
-        if machine.done and f.dst not in self.results:
-            self.results[f.dst] = machine.buffer.copy()
+        if machine.done and rank not in self.results:
+            self.results[rank] = machine.buffer.copy()
             machine.buffer.view(np.uint8)[:] = 0x5A
 
 

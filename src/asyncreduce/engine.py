@@ -4,7 +4,9 @@ Theory of operation. User threads build an ``Operation`` (its key, descriptor an
 state machine) and ``submit`` it: a deque append plus a one-byte wake-up. Only the engine
 thread touches transports and algorithm state, so none of that needs a lock. The thread loops:
 take submitted operations, let the transport move bytes (it calls back ``frame_buffer``,
-``on_frame``, ``on_sent``, ``on_peer_lost``), expire deadlines.
+``on_frame``, ``on_sent``, ``on_peer_lost``), do one unit of the most urgent operation's own
+work (an algorithm's ``work``: a shared-memory reduction goes one segment at a time, so
+what arrives meanwhile is not kept waiting), expire deadlines.
 
 Matching is by key, never by order. A frame names its operation ``(name, instance)``; if that
 operation is posted here its payload lands straight in the algorithm's buffer, otherwise it
@@ -220,6 +222,7 @@ class Engine(FrameSink):
         self._stopping = False
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
         self._spin_until = 0.0  # busy-poll until then (see _poll)
+        self._working: set[Operation] = set()  # operations with work of their own to do
         self._ops: dict[Key, Operation] = {}
         self._unexpected: dict[Key, list[tuple[int, Header, memoryview]]] = {}
         self._failed: OrderedDict[Key, BaseException] = OrderedDict()
@@ -300,6 +303,8 @@ class Engine(FrameSink):
         try:
             while self._take_submitted():
                 self._poll()
+                if self._working:
+                    self._work()
                 self._expire()
                 self._beat()
             self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
@@ -359,6 +364,9 @@ class Engine(FrameSink):
 
         No lost wake-up: ``_sleeping`` is set before the queue is looked at once more, and
         ``submit`` reads it after its append (both under the GIL, so in one order)."""
+        if self._working:  # work waits: only look at what came in
+            self.transport.poll(0.0)
+            return
         if time.monotonic() < self._spin_until:
             self.transport.poll(0.0)
             os.sched_yield()
@@ -480,7 +488,19 @@ class Engine(FrameSink):
                 self._send(op, s)
         finally:
             op.unsent -= 1
+        if op.algo.has_work and op.key in self._ops:
+            self._working.add(op)
         return op.key in self._ops
+
+    def _work(self) -> None:
+        """One unit of the most urgent operation's own work (the highest priority, then the
+        oldest): between units the loop reads what came in, so a small urgent operation is
+        not stuck behind a large one's reductions for longer than one segment."""
+        op = max(self._working, key=lambda o: (o.priority, -o.age))
+        if self._guarded(op, op.algo.work):
+            self._maybe_complete(op)
+        if not op.algo.has_work:
+            self._working.discard(op)
 
     def _send(self, op: Operation, s: Send) -> None:
         if s.dst in self._departed:
@@ -530,6 +550,7 @@ class Engine(FrameSink):
     def _ended(self, op: Operation) -> None:
         """Forget what the stall inspector and flow control kept about ``op``."""
         self._spin_after(op)
+        self._working.discard(op)
         self._stall.forget(op.key)
         for released in self._held_off.values():
             released.discard(op.key)

@@ -6,7 +6,9 @@ A collective on one rank is a state machine with no sockets, threads or clocks:
 * for each arriving message the caller asks ``recv_buffer(src, step, seg, nbytes)`` where its
   payload must be written (often the final destination, so nothing is copied), writes it there,
   then calls ``on_message(src, step, seg, payload)``, which returns the next messages to send;
-* ``done`` is true once every expected message has been consumed.
+* ``work()`` does one unit of the rank's own work while ``has_work`` (most algorithms do all
+  of theirs inside ``on_message`` and never have any);
+* ``done`` is true once every expected message has been consumed and no work is left.
 
 Messages are named by ``(src, step, seg)``; they may arrive in any order, across sources and
 across steps, and each algorithm either does not care or holds early ones until their turn.
@@ -63,6 +65,18 @@ class Collective(ABC):
     @property
     def done(self) -> bool:
         return self._received == self._expected
+
+    @property
+    def has_work(self) -> bool:
+        """Whether ``work`` has something to do now (see ``work``)."""
+        return False
+
+    def work(self) -> list[Send]:
+        """Do one unit of this rank's own work (say, reduce one segment) and return what to
+        send. An algorithm whose steps are heavy leaves them here instead of doing them in
+        ``on_message``, so that the caller can do them in pieces, between messages, the most
+        urgent operation's first; the caller calls it while ``has_work``."""
+        return []
 
     @property
     def pending_sources(self) -> set[int]:

@@ -128,7 +128,7 @@ class SharedAllreduce(Collective):
         self._to_copy: list[tuple[int, int]] = []  # (peer, segment) final there, not yet here
         self._copied = 0
         self._to_copy_in_all = sum(len(self._segs[p]) for p in self.peers)
-        self._released = False
+        self._released = not self.peers  # a world of one has nothing to read or tell
         self._left = {p: 2 + len(self._segs[p]) for p in self.peers}  # messages still to come
         self._expected = sum(self._left.values())
 
@@ -166,46 +166,61 @@ class SharedAllreduce(Collective):
             self._theirs[src] = self._memory.buffer(src, where, self.buffer)
         elif step == REDUCED:
             self._to_copy.append((src, seg))
-        self._copy_ready()
-        sends = self._reduce_next() if len(self._theirs) == len(self.peers) else []
-        return sends + self._release()
+        return []  # the reading and reducing are ``work``, one segment at a time
 
-    def _reduce_next(self) -> list[Send]:
-        """Reduce my segments up to one more than the REDUCED messages heard so far: the first
-        at once, then one per segment a peer finished, so that a peer's segment is copied
-        here soon after it was written (still in the shared cache) and both ranks keep pace."""
-        mine = self._segs[self.rank]
+    @property
+    def done(self) -> bool:
+        return self._received == self._expected and self._released
+
+    @property
+    def has_work(self) -> bool:
+        return self._may_reduce() or self._copyable() is not None or self._finished_here()
+
+    def work(self) -> list[Send]:
+        """Reduce my next segment if I may, else copy one final segment of a peer's; then, once
+        nothing is left to read, say RELEASED."""
         sends = []
-        heard = self._copied + len(self._to_copy)  # REDUCED messages received so far
-        while self._reduced < min(len(mine), heard + 1):
-            a, b = mine[self._reduced]
-            target = self.buffer[a:b]
-            for peer in self.peers:
-                for start, piece in self._theirs[peer].read(a, b):
-                    combine(self.dtype, self.reduce_op, target[start - a :][: piece.size], piece)
-            finalize(self.dtype, self.reduce_op, target, self.world_size)
-            sends += self._to_all(REDUCED, self._reduced, self.buffer[:0])
-            self._reduced += 1
-        return sends
-
-    def _copy_ready(self) -> None:
-        """Copy every final segment whose owner said where its buffer is."""
-        waiting = []
-        for peer, seg in self._to_copy:
-            if peer not in self._theirs:
-                waiting.append((peer, seg))
-                continue
+        if self._may_reduce():
+            sends = self._reduce_one()
+        elif (index := self._copyable()) is not None:
+            peer, seg = self._to_copy.pop(index)
             a, b = self._segs[peer][seg]
             self._theirs[peer].copy_to(self.buffer[a:b], a)
             self._copied += 1
-        self._to_copy = waiting
-
-    def _release(self) -> list[Send]:
-        """Once every segment of mine is reduced and every peer's copied here, this rank reads
-        no peer's buffer any more: say so, once."""
-        mine = self._segs[self.rank]
-        done = self._reduced == len(mine) and self._copied == self._to_copy_in_all
-        if done and not self._released:
+        if self._finished_here():
             self._released = True
-            return self._to_all(RELEASED, 0, self.buffer[:0])
-        return []
+            sends += self._to_all(RELEASED, 0, self.buffer[:0])
+        return sends
+
+    def _may_reduce(self) -> bool:
+        """Every READY is here and I have reduced no more than one segment beyond the REDUCED
+        messages heard so far: the first at once, then one per segment a peer finished, so a
+        peer's segment is copied here soon after it was written (still in the shared cache)
+        and the ranks keep pace."""
+        heard = self._copied + len(self._to_copy)  # REDUCED messages received so far
+        ready = len(self._theirs) == len(self.peers) and not self._released
+        return ready and self._reduced < min(len(self._segs[self.rank]), heard + 1)
+
+    def _reduce_one(self) -> list[Send]:
+        a, b = self._segs[self.rank][self._reduced]
+        target = self.buffer[a:b]
+        for peer in self.peers:
+            for start, piece in self._theirs[peer].read(a, b):
+                combine(self.dtype, self.reduce_op, target[start - a :][: piece.size], piece)
+        finalize(self.dtype, self.reduce_op, target, self.world_size)
+        self._reduced += 1
+        return self._to_all(REDUCED, self._reduced - 1, self.buffer[:0])
+
+    def _copyable(self) -> int | None:
+        """Where in the queue a final segment waits whose owner said where its buffer is."""
+        for index, (peer, _) in enumerate(self._to_copy):
+            if peer in self._theirs:
+                return index
+        return None
+
+    def _finished_here(self) -> bool:
+        """Every segment of mine is reduced and every peer's copied here, and RELEASED is not
+        yet said: this rank reads no peer's buffer any more."""
+        mine = self._segs[self.rank]
+        complete = self._reduced == len(mine) and self._copied == self._to_copy_in_all
+        return complete and not self._released

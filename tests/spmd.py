@@ -21,6 +21,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import pytest
+
 import asyncreduce as ar
 
 _CTX = mp.get_context("spawn")
@@ -151,3 +154,18 @@ def shm_files(pid: int | None = None) -> list[str]:
     """asyncreduce's files in /dev/shm (of process ``pid`` only, if given): none may be left."""
     prefix = "asyncreduce-" if pid is None else f"asyncreduce-{pid}-"
     return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
+def window_against_ordinary(comm: ar.Communicator, count: int) -> str:
+    """Rank 0 allreduces ``count`` float32 in a shared window, the others an ordinary array:
+    every rank must fail it (MismatchError, or BrokenError caused by one); returns the root
+    cause's message."""
+    window = comm.shared_empty(count, np.float32)  # collective: every rank makes one
+    x = window if comm.rank == 0 else np.empty(count, np.float32)
+    x[:] = 1
+    with pytest.raises((ar.MismatchError, ar.BrokenError)) as info:
+        comm.allreduce(x, name="w", timeout=20)
+    error = info.value
+    while isinstance(error, ar.BrokenError) and error.__cause__ is not None:
+        error = error.__cause__
+    return str(error)

@@ -18,7 +18,13 @@ import pytest
 
 import asyncreduce as ar
 from asyncreduce.algorithms import CROSS_MEMORY_BYTES
-from spmd import run_ranks, shm_files, shuffled_in_threads, survive_the_death_of_rank_2
+from spmd import (
+    run_ranks,
+    shm_files,
+    shuffled_in_threads,
+    survive_the_death_of_rank_2,
+    window_against_ordinary,
+)
 
 COUNT = CROSS_MEMORY_BYTES // 4 + 13  # float32 elements just above the threshold (odd)
 
@@ -106,20 +112,8 @@ def test_one_rank_without_it_turns_it_off_for_every_rank() -> None:
     assert all(results.values()), results
 
 
-def body_mismatch(comm: ar.Communicator) -> str:
-    window = comm.shared_empty(COUNT, np.float32)
-    x = window if comm.rank == 0 else np.empty(COUNT, np.float32)
-    x[:] = 1
-    with pytest.raises((ar.MismatchError, ar.BrokenError)) as info:
-        comm.allreduce(x, name="w", timeout=20)
-    error = info.value
-    while isinstance(error, ar.BrokenError) and error.__cause__ is not None:
-        error = error.__cause__
-    return str(error)
-
-
 def test_a_window_buffer_against_an_ordinary_one_fails_on_every_rank() -> None:
-    for rank, message in run_ranks(2, body_mismatch).items():
+    for rank, message in run_ranks(2, window_against_ordinary, COUNT).items():
         assert "in shared window 1" in message, f"rank {rank}: {message}"
         assert "cross-memory" in message, f"rank {rank}: {message}"
 

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
-from spmd import run_ranks, shm_files, shuffled_in_threads, survive_the_death_of_rank_2
+from spmd import (
+    run_ranks,
+    shm_files,
+    shuffled_in_threads,
+    survive_the_death_of_rank_2,
+    window_against_ordinary,
+)
 
 COUNT = 100_003  # above SMALL_ALLREDUCE_BYTES for every dtype here, and prime
 
@@ -96,20 +102,8 @@ def test_a_torch_tensor_on_a_window_takes_the_window_path() -> None:
     assert all(run_ranks(2, body_torch).values())
 
 
-def body_mismatch(comm: ar.Communicator) -> str:
-    window = comm.shared_empty(COUNT, np.float32)  # collective: every rank makes one
-    x = window if comm.rank == 0 else np.empty(COUNT, np.float32)
-    x[:] = 1
-    with pytest.raises((ar.MismatchError, ar.BrokenError)) as info:
-        comm.allreduce(x, name="w", timeout=20)
-    error = info.value
-    while isinstance(error, ar.BrokenError) and error.__cause__ is not None:
-        error = error.__cause__
-    return str(error)
-
-
 def test_an_ordinary_buffer_against_a_window_fails_on_every_rank() -> None:
-    for rank, message in run_ranks(2, body_mismatch).items():
+    for rank, message in run_ranks(2, window_against_ordinary, COUNT).items():
         assert "in shared window 1" in message and "'w'" in message, f"rank {rank}: {message}"
 
 

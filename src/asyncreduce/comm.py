@@ -316,7 +316,6 @@ class Communicator:
         request: Request[Any] = Request(label, self._runner)
         if self._engine is None:  # a world of one: nothing to talk to
             algo.start()
-            request.completed_at = time.perf_counter()
             request.set_result(result())
             return request
         self._engine.submit(Operation(key, label, desc, algo, request, result, priority, timeout))

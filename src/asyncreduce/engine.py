@@ -527,7 +527,6 @@ class Engine(FrameSink):
             op.request.set_exception(exc)
             return
         self._finish_record(op, None)
-        op.request.completed_at = time.perf_counter()
         op.request.set_result(value)
         if op.small and self.settings.spin:
             os.sched_yield()  # the waiter runs now, not after another round of the loop

@@ -77,7 +77,7 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         super().__init__()
         self.label = label
         self.posted_at = time.perf_counter()
-        self.completed_at: float | None = None  # set by the engine, for timelines and stats
+        self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
         self.set_running_or_notify_cancel()
 
@@ -92,6 +92,11 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 f"{self.label} not complete after {timeout} s; it goes on (wait again, or pass "
                 "timeout= to the call to make the operation itself give up)"
             ) from None
+
+    def set_result(self, result: T) -> None:
+        """Complete with ``result`` (the engine's call), stamping ``completed_at``."""
+        self.completed_at = time.perf_counter()
+        super().set_result(result)
 
     def test(self) -> bool:
         """True once the operation has completed (successfully or not); never blocks."""

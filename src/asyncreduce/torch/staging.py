@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -225,7 +224,6 @@ class Stager:
             request.set_exception(exc)
             return
         request.event = event
-        request.completed_at = time.perf_counter()
         request.set_result(tensor)
 
     def _live(self) -> Communicator:

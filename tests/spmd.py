@@ -9,6 +9,7 @@ does not finish within ``timeout`` seconds fails the test (a hang never stalls t
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -169,3 +170,14 @@ def window_against_ordinary(comm: ar.Communicator, count: int) -> str:
     while isinstance(error, ar.BrokenError) and error.__cause__ is not None:
         error = error.__cause__
     return str(error)
+
+
+def _cross_memory_on(comm: ar.Communicator) -> bool:
+    return comm._cross is not None
+
+
+@functools.cache
+def cross_memory_permitted() -> bool:
+    """Whether ranks here may read each other's memory (process_vm_readv between sibling
+    processes: no Yama ptrace_scope 1+, or CAP_SYS_PTRACE); asked once, of a real job."""
+    return all(run_ranks(2, _cross_memory_on).values())

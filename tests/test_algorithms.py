@@ -17,10 +17,14 @@ the algorithm is fixed (see the comment on each).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
-from collections.abc import Callable
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +57,7 @@ from asyncreduce.algorithms import (
     split,
 )
 from asyncreduce.cma import CrossMemory
+from asyncreduce.comm import _unreadable
 
 DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 COUNTS = [0, 1, 13, 1009]
@@ -155,6 +160,9 @@ class Network:
         assert f.src in m.pending_sources, f"rank {f.dst} does not list {f.src} as pending"
         if self.probe:
             self._probe_malformed(f)
+        if m.takes_view(f.src, f.step, f.seg) and self.rng.random() < 0.5:
+            self._consume_view(f)
+            return
         target = m.recv_buffer(f.src, f.step, f.seg, len(f.sent))
         assert target.nbytes == len(f.sent)
         if self.split_recv and self.rng.random() < 0.3:
@@ -192,6 +200,20 @@ class Network:
             sends = m.work()
         self._post(rank, sends)
         self._settled(rank)
+
+    def _consume_view(self, f: Flight) -> None:
+        """Consume a message from where it arrived (the transport's staging, shared memory),
+        which is overwritten the moment the call returns: nothing may keep reading it."""
+        m = self.machines[f.dst]
+        assert f.payload.tobytes() == f.sent, f"rank {f.src} changed {(f.step, f.seg)} in flight"
+        staging = bytearray(f.sent)
+        with quiet_floats():
+            sends = m.on_view(f.src, f.step, f.seg, memoryview(staging))
+        staging[:] = b"\xa5" * len(staging)
+        self._post(f.dst, sends)
+        self.received_by[f.dst] += 1
+        self.log.append(f)
+        self._settled(f.dst)
 
     def _finish_pending(self, key: tuple[int, int]) -> None:
         self._consume(*self.pending.pop(key))
@@ -1071,7 +1093,7 @@ def shared_machines(
         window = np.full(offset + data[r].nbytes + int(rng.integers(0, 9)), 0xA5, np.uint8)
         windows.append(window)
         placed.append((offset, window[offset : offset + data[r].nbytes].view(data[r].dtype)))
-    piece = int(rng.choice([1, 8, 4096, cma.PIECE_BYTES]))
+    piece = int(rng.choice([8, 24, 4096, cma.PIECE_BYTES]))
     pids = {p: os.getpid() for p in range(n)}
 
     def peers(r: int, offset: int, buf: np.ndarray) -> tuple[int, PeerMemory]:
@@ -1160,27 +1182,62 @@ def test_shared_allreduce_refuses_malformed_messages() -> None:
 # Cross-memory attach
 
 
+_HOLDER = """
+import sys
+import numpy as np
+token = np.frombuffer(bytes.fromhex(sys.argv[1]), np.uint8).copy()
+print(token.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def holding(token: bytes) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A child process that holds ``token`` in its memory: (the process, the address)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, token.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        yield holder, int(holder.stdout.readline())
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+        holder.stdout.close()
+
+
 def test_cross_memory_reads_another_process_and_refuses_what_it_cannot() -> None:
     """probe/read_into on a real child process: its token reads back; a wrong token, a dead
     process or an address it does not map is refused, never a crash."""
     token = os.urandom(16)
-    held = np.frombuffer(token, np.uint8).copy()
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # the token is at the same address in the child
-        os.read(reader, 1)
-        os._exit(0)
-    try:
-        assert cma.probe(child, held.ctypes.data, token)
-        assert not cma.probe(child, held.ctypes.data, os.urandom(16))
-        assert not cma.probe(child, 8, token)  # the zero page: not mapped
+    with holding(token) as (holder, address):
+        assert cma.probe(holder.pid, address, token) is None
+        assert "other bytes" in str(cma.probe(holder.pid, address, os.urandom(16)))
+        assert cma.probe(holder.pid, 8, token) is not None  # the zero page: not mapped
+        assert cma.owned_by_me(holder.pid) and not cma.owned_by_me(os.getpid())
         out = np.zeros(16, np.uint8)
         with pytest.raises(OSError):
-            cma.read_into(child, out.ctypes.data, 8, 16)
-    finally:
-        os.write(writer, b"x")
-        os.waitpid(child, 0)
-    assert not cma.probe(child, held.ctypes.data, token)  # it is gone
+            cma.read_into(holder.pid, out.ctypes.data, 8, 16)
+    assert cma.probe(holder.pid, address, token) is not None  # it is gone
+
+
+def test_the_cross_memory_check_refuses_a_peer_that_names_another_process() -> None:
+    """At init a rank reads back the challenge it sent each peer, from the pid that peer
+    announced: only a process that got the challenge holds it; our own pid, a repeated pid, a
+    process of nobody or one that holds other bytes are refused, naming the peer."""
+    challenge = os.urandom(16)
+    me = os.getpid()
+    with holding(challenge) as (holder, address):
+        at = [b"", struct.pack("<Q", address)]  # rank 1 says: my challenges start there
+        assert _unreadable(0, {0: me, 1: holder.pid}, at, [b"", challenge]) is None
+        wrong = _unreadable(0, {0: me, 1: holder.pid}, at, [b"", os.urandom(16)])
+        assert wrong is not None and "rank 1" in wrong
+        assert "same process" in str(_unreadable(0, {0: me, 1: me}, at, [b"", challenge]))
+        gone = _unreadable(0, {0: me, 1: 2**22 + 12345}, at, [b"", challenge])
+        assert gone is not None and "rank 1" in gone
 
 
 def test_cross_memory_refuses_a_misaligned_or_unknown_buffer() -> None:

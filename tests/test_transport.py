@@ -227,6 +227,80 @@ def test_a_sink_may_consume_straight_from_shared_memory() -> None:
     tb.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sink_may_consume_small_frames_where_they_were_received(kind: str) -> None:
+    """Frames that came whole into the receive staging may be consumed there (frame_view);
+    the ones behind them in the same read still arrive, whole and in order."""
+    ta, _, tb, sb = PAIRS[kind]()
+    seen: list[tuple[int, bytes]] = []
+
+    def view(peer: int, header: Header, staged: memoryview) -> bool:
+        if header.step % 2:
+            return False  # odd steps take the usual path
+        seen.append((header.step, bytes(staged)))
+        staged[:] = b"\xee" * len(staged)  # scribbled at once: nothing may read it later
+        return True
+
+    sb.frame_view = view  # type: ignore[method-assign]
+    payloads = [os.urandom(n) for n in [1, 100, 0, 4096, 7, 3000] * 5]
+    for i, p in enumerate(payloads):
+        ta.send(1, *frame(b"s", p, step=i), 0, i)
+    pump(ta, tb, until=lambda: len(seen) + len(sb.frames) == len(payloads))
+    viewed = [(i, p) for i, p in enumerate(payloads) if i % 2 == 0 and p]
+    assert seen == viewed
+    rest = [(i, p) for i, p in enumerate(payloads) if (i, p) not in viewed]
+    assert [(h.step, p) for _, h, p in sb.frames] == rest
+    ta.close()
+    tb.close()
+
+
+def loopback_tcp() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair over the loopback (SO_RCVLOWAT acts on TCP's readiness)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    return a, b
+
+
+def test_a_large_payload_trickling_in_is_read_whole() -> None:
+    """A payload far larger than the socket's low-water mark, sent in small pieces with pauses,
+    is delivered whole, and the frame behind it too (SO_RCVLOWAT is lowered to what is left)."""
+    a, b = loopback_tcp()
+    sink = Sink()
+    tb = TcpTransport(1, {0: b}, sink)
+    data = os.urandom(3 << 20)
+    head, _ = frame(b"big", data)
+    stream = head + data + b"".join(frame(b"after", b"tail"))
+    a.setblocking(True)
+    for start in range(0, len(stream), 300_000):
+        a.sendall(stream[start : start + 300_000])
+        for _ in range(5):
+            tb.poll(0.002)
+    pump(tb, until=lambda: len(sink.frames) == 2)
+    assert [(h.name, p) for _, h, p in sink.frames] == [(b"big", data), (b"after", b"tail")]
+    assert tb._peers[0].lowat == 1  # back to waking for the next header
+    a.close()
+    tb.close()
+
+
+def test_a_peer_dying_mid_payload_is_reported_at_once() -> None:
+    """The low-water mark set for the rest of a payload does not delay the EOF."""
+    a, b = loopback_tcp()
+    sink = Sink()
+    tb = TcpTransport(1, {0: b}, sink)
+    data = os.urandom(2 << 20)
+    head, _ = frame(b"big", data)
+    a.sendall(head + data[:200_000])
+    for _ in range(20):
+        tb.poll(0.002)
+    assert tb._peers[0].lowat > 1
+    a.close()
+    start = time.monotonic()
+    pump(tb, until=lambda: sink.lost, limit=2.0)
+    assert time.monotonic() - start < 1.0 and sink.frames == []
+    tb.close()
+
+
 def test_arena_files_are_private_and_refuse_impostors(tmp_path: object) -> None:
     path, arena = create_arena(1 << 16)
     try:

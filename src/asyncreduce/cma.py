@@ -9,27 +9,34 @@ announces where its buffer is, reduces its chunk reading the peers' parts piece 
 a small scratch that stays in the cache, and copies the others' reduced chunks straight into
 its own buffer.
 
-Whether it works is probed once, when the communicator is built (``probe``): every rank
-publishes its pid and the address of a random token, reads every peer's, and the ranks use
-it only if every rank read every token right, so all of them pick the same algorithm. A
-read that fails later (the peer died: ESRCH; an address not mapped there: EFAULT) raises
-OSError and fails the operation. Nothing is ever written into a peer, and nothing a peer
-announces is trusted beyond what the kernel checks: a read lands only in this rank's own
-buffer or scratch, sized by this rank.
+Whether it works, and that each peer's pid is really that peer's, is checked once, when the
+communicator is built (comm.py): every rank sends every other a fresh random challenge
+through the store, each rank keeps the challenges it was sent in its own memory and announces
+where, and every rank reads them back from each peer's announced pid (which must be another
+process of this user). Only a process that received the challenge can hold it, so a rank
+cannot make its peers read some other process; and the ranks use cross-memory attach only
+if every rank read every peer right, so all of them pick the same algorithm.
+
+A read that fails later (the peer died: ESRCH; an address not mapped there: EFAULT) raises
+``PeerMemoryError`` and fails the operation. Nothing is ever written into a peer: a read lands
+only in this rank's own buffer or scratch, sized by this rank. What a peer's buffer holds is
+what that peer chose, as with any payload it sends.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import errno
+import functools
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from .algorithms import Array, ProtocolError
 
-__all__ = ["CrossMemory", "available", "probe", "read_into"]
+__all__ = ["CrossMemory", "PeerMemoryError", "available", "owned_by_me", "probe", "read_into"]
 
 PIECE_BYTES = 256 << 10  # what a reduction reads at a time: stays in the cache it is added from
 
@@ -38,48 +45,59 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
-def _readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+class PeerMemoryError(OSError):
+    """A peer's buffer could not be read (it died, or announced memory it does not have)."""
+
+
+@functools.cache
+def _readv() -> Any:
+    """libc's process_vm_readv (Linux 3.2 and later), or None; looked up on first use."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
         return None
-    readv = getattr(libc, "process_vm_readv", None)  # Linux 3.2 and later
-    if readv is not None:
-        iov = ctypes.POINTER(_IoVec)
-        readv.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
-        readv.restype = ctypes.c_ssize_t
+    iov = ctypes.POINTER(_IoVec)
+    readv.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
+    readv.restype = ctypes.c_ssize_t
     return readv
-
-
-_PROCESS_VM_READV = _readv()
 
 
 def available() -> bool:
     """Whether this system has process_vm_readv at all (see ``probe`` for permission)."""
-    return _PROCESS_VM_READV is not None
+    return _readv() is not None
 
 
 def read_into(pid: int, dest: int, source: int, nbytes: int) -> None:
     """Copy ``nbytes`` at address ``source`` of process ``pid`` to ``dest`` here (with the GIL
     released); OSError if the kernel refuses or reads less (the peer died, or the bytes are
     not mapped there)."""
-    if _PROCESS_VM_READV is None:
+    readv = _readv()
+    if readv is None:
         raise OSError("process_vm_readv is not available on this system")
     local, remote = _IoVec(dest, nbytes), _IoVec(source, nbytes)
-    got = _PROCESS_VM_READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    got = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     if got != nbytes:
-        code = ctypes.get_errno() if got < 0 else 14  # EFAULT: part of it is not mapped
+        code = ctypes.get_errno() if got < 0 else errno.EFAULT  # part of it is not mapped
         raise OSError(code, f"reading {nbytes} bytes of process {pid}: {os.strerror(code)}")
 
 
-def probe(pid: int, address: int, token: bytes) -> bool:
-    """Whether this process may read process ``pid``, which holds ``token`` at ``address``."""
-    seen = np.zeros(len(token), np.uint8)
+def probe(pid: int, address: int, expected: bytes) -> str | None:
+    """None if process ``pid`` holds ``expected`` at ``address`` and this process may read it;
+    else why not."""
+    seen = np.zeros(len(expected), np.uint8)
     try:
-        read_into(pid, seen.ctypes.data, address, len(token))
+        read_into(pid, seen.ctypes.data, address, len(expected))
+    except OSError as exc:
+        return str(exc)
+    return None if seen.tobytes() == expected else f"process {pid} holds other bytes there"
+
+
+def owned_by_me(pid: int) -> bool:
+    """Whether ``pid`` is another live process of this user."""
+    try:
+        return pid != os.getpid() and os.stat(f"/proc/{pid}").st_uid == os.getuid()
     except OSError:
         return False
-    return seen.tobytes() == token
 
 
 class CrossMemory:
@@ -119,7 +137,11 @@ class _PeerBuffer:
         try:
             read_into(self._pid, dest, self._address + start * self._dtype.itemsize, nbytes)
         except OSError as exc:  # ESRCH: it is gone; anything else: it announced bad memory
-            raise OSError(exc.errno, f"could not read rank {self._rank}'s buffer: {exc}") from None
+            raise PeerMemoryError(
+                exc.errno,
+                f"could not read rank {self._rank}'s buffer ({exc}); if the kernel stops "
+                "cross-memory reads here, set ASYNCREDUCE_CMA=0 on every rank",
+            ) from None
 
     def read(self, start: int, stop: int) -> Iterator[tuple[int, Array]]:
         """Elements [start, stop) as (first element, array) pieces, each valid until the next."""

@@ -14,6 +14,7 @@ in place (or in a new object, for ``inplace=False``, allgather and reduce_scatte
 from __future__ import annotations
 
 import atexit
+import logging
 import operator
 import os
 import socket
@@ -53,6 +54,7 @@ from .window import WindowError, Windows
 
 __all__ = ["Communicator", "init"]
 
+log = logging.getLogger("asyncreduce.comm")
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -425,28 +427,63 @@ def _share_memory(
     return arenas
 
 
-_CMA_RECORD = struct.Struct("<QQ16s")  # pid, address of the token, the token
+_CHALLENGE = 16  # bytes of the random challenge each rank sends each other rank
 
 
 def _cross_memory(
     store: Store, rank: int, world_size: int, deadline: float
 ) -> CrossMemory | None:
-    """Cross-memory attach with every peer (all on this host), if every rank may read every
-    other's memory: each publishes its pid and a random token's address, reads every peer's
-    token, and all must succeed (so every rank picks the same algorithms). ASYNCREDUCE_CMA=0
-    on any rank turns it off for all."""
-    token = os.urandom(16)
-    held = np.frombuffer(token, np.uint8).copy()  # alive until every rank has probed it
+    """Cross-memory attach with every peer (all on this host), if every rank can read every
+    other's memory (see cma.py): each rank sends each other a random challenge through the
+    store, keeps those it was sent in its own memory and says where, and reads its own back
+    from every peer's pid. ASYNCREDUCE_CMA=0 on any rank turns it off for all; a rank that
+    could not read logs why, once."""
+    def remaining() -> float:
+        return max(0.001, deadline - time.monotonic())
+
     wanted = os.environ.get("ASYNCREDUCE_CMA", "1") != "0" and cma.available()
-    mine = _CMA_RECORD.pack(os.getpid(), held.ctypes.data, token) if wanted else b""
-    remaining = max(0.001, deadline - time.monotonic())
-    records = gather(store, "asyncreduce/cma", rank, world_size, mine, remaining)
-    peers = {p: _CMA_RECORD.unpack(r) for p, r in enumerate(records) if p != rank and r}
-    ok = len(peers) == world_size - 1 and all(cma.probe(*record) for record in peers.values())
-    remaining = max(0.001, deadline - time.monotonic())
-    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, b"1" if ok else b"", remaining)
-    del held
-    return CrossMemory({p: r[0] for p, r in peers.items()}) if all(verdicts) else None
+    mine = [os.urandom(_CHALLENGE) for _ in range(world_size)]  # mine[p]: what p must hold
+    record = struct.pack("<Q", os.getpid()) + b"".join(mine) if wanted else b""
+    records = gather(store, "asyncreduce/cma", rank, world_size, record, remaining())
+    sizes_ok = all(len(r) == 8 + _CHALLENGE * world_size for r in records)
+    held = np.frombuffer(  # the challenges sent to this rank, in rank order, kept alive below
+        b"".join(r[8 + _CHALLENGE * rank :][:_CHALLENGE] for r in records) if sizes_ok else b"",
+        np.uint8,
+    ).copy()
+    where = struct.pack("<Q", held.ctypes.data) if sizes_ok else b""
+    places = gather(store, "asyncreduce/cma-at", rank, world_size, where, remaining())
+    pids = {p: struct.unpack("<Q", r[:8])[0] for p, r in enumerate(records) if sizes_ok}
+    why = _unreadable(rank, pids, places, mine) if wanted and sizes_ok else "not every rank can"
+    verdict = b"" if why else b"1"
+    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, verdict, remaining())
+    del held  # every rank has read it
+    if why and wanted:
+        log.info(
+            "rank %d: cross-memory attach is off (%s); large allreduces of ordinary buffers "
+            "take the ring through the arenas. Yama ptrace_scope 0 or CAP_SYS_PTRACE would "
+            "allow it; ASYNCREDUCE_CMA=0 turns it off without trying", rank, why,
+        )  # fmt: skip
+    if not all(verdicts):
+        return None
+    return CrossMemory({p: pid for p, pid in pids.items() if p != rank})
+
+
+def _unreadable(
+    rank: int, pids: dict[int, int], places: list[bytes], mine: list[bytes]
+) -> str | None:
+    """Why this rank cannot read some peer's challenge back from its pid, or None."""
+    if len(set(pids.values())) != len(pids):
+        return "two ranks announced the same process"
+    for peer, pid in pids.items():
+        if peer == rank:
+            continue
+        if not cma.owned_by_me(pid) or len(places[peer]) != 8:
+            return f"rank {peer} announced process {pid}, not another process of this user"
+        address = struct.unpack("<Q", places[peer])[0] + _CHALLENGE * rank
+        failure = cma.probe(pid, address, mine[peer])
+        if failure is not None:
+            return f"reading rank {peer} (process {pid}): {failure}"
+    return None
 
 
 def _leave_store(store: Store, rank: int, world_size: int, deadline: float) -> None:

@@ -1,8 +1,9 @@
 """The progress engine: one thread that owns the wire and every operation's state.
 
 Theory of operation. User threads build an ``Operation`` (its key, descriptor and algorithm
-state machine) and ``submit`` it: a deque append plus a one-byte wake-up. Only the engine
-thread touches transports and algorithm state, so none of that needs a lock. The thread loops:
+state machine) and ``submit`` it: a deque append, plus a one-byte wake-up if the thread
+sleeps. Only the engine thread touches transports and algorithm state, so none of that needs
+a lock. The thread loops:
 take submitted operations, let the transport move bytes (it calls back ``frame_buffer``,
 ``on_frame``, ``on_sent``, ``on_peer_lost``), do one unit of the most urgent operation's own
 work (an algorithm's ``work``: a shared-memory reduction goes one segment at a time, so
@@ -38,6 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -59,6 +61,7 @@ from .algorithms import (
     ProtocolError,
     Send,
 )
+from .cma import PeerMemoryError
 from .errors import BrokenError, ClosedError, MismatchError, UsageError, ranks_phrase
 from .flight import FlightRecorder, Record
 from .request import Request
@@ -145,7 +148,7 @@ def _env_number(name: str, default: Any, kind: type, least: float) -> Any:
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not value >= least:
+    if value is None or not least <= value < math.inf:
         raise UsageError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
     return value
 
@@ -264,7 +267,8 @@ class Engine(FrameSink):
             if self._departed:
                 raise BrokenError(f"{op.label}: {next(iter(self._departed.values()))}")
             self._submitted.append(op)
-        if self._sleeping:  # read after the append: see _poll
+            sleeping = self._sleeping  # read after the append, under the lock: see _poll
+        if sleeping:
             self.transport.wakeup()
 
     def close(self) -> None:
@@ -362,8 +366,8 @@ class Engine(FrameSink):
         operation that lasts about as long, and small operations tend to come in runs.
         Otherwise block until the next beat or deadline, or until ``submit`` wakes us.
 
-        No lost wake-up: ``_sleeping`` is set before the queue is looked at once more, and
-        ``submit`` reads it after its append (both under the GIL, so in one order)."""
+        No lost wake-up: ``_sleeping`` is set, and the queue looked at once more, under the
+        lock that ``submit`` holds to append and then read ``_sleeping``."""
         if self._working:  # work waits: only look at what came in
             self.transport.poll(0.0)
             return
@@ -371,8 +375,10 @@ class Engine(FrameSink):
             self.transport.poll(0.0)
             os.sched_yield()
             return
-        self._sleeping = True
-        self.transport.poll(0.0 if self._submitted else self._poll_timeout())
+        with self._lock:
+            self._sleeping = True
+            empty = not self._submitted
+        self.transport.poll(self._poll_timeout() if empty else 0.0)
         self._sleeping = False
 
     def _spin_after(self, op: Operation) -> None:
@@ -471,7 +477,7 @@ class Engine(FrameSink):
         except ProtocolError as exc:
             self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
             return False
-        except OSError as exc:  # a peer's memory could not be read (cma.py): it died, or lied
+        except PeerMemoryError as exc:  # cma.py: the peer died, or announced bad memory
             self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc}"))
             return False
         except Exception as exc:
@@ -488,9 +494,10 @@ class Engine(FrameSink):
                 self._send(op, s)
         finally:
             op.unsent -= 1
-        if op.algo.has_work and op.key in self._ops:
+        live = self._ops.get(op.key) is op
+        if live and op.algo.has_work:
             self._working.add(op)
-        return op.key in self._ops
+        return live
 
     def _work(self) -> None:
         """One unit of the most urgent operation's own work (the highest priority, then the
@@ -754,7 +761,7 @@ class Engine(FrameSink):
             return True
         self._fail_everywhere(op, MismatchError(
             f"{op.label}: rank {self.rank} posted {describe(op.desc)} but rank {peer} posted "
-            f"{describe(header.desc)}"))  # fmt: skip
+            f"{describe(header.desc)}{_hint(op.desc, header.desc)}"))  # fmt: skip
         return False
 
     def _on_control(self, peer: int, header: Header, payload: memoryview) -> None:
@@ -778,9 +785,10 @@ class Engine(FrameSink):
         self._break(error, (header.key, header.desc))  # passed on: everyone fails it alike
 
     def _on_goodbye(self, peer: int, reason: str) -> None:
-        """``peer`` closed in good order: fail what still needs it, on every rank (the others may
-        need it through us); refuse new posts. Its frames came before its goodbye, so an
-        operation that no longer waits on it can still complete."""
+        """``peer`` closed in good order: fail what still needs it (``pending_sources``: a
+        frame to come, or its memory still to be read), on every rank (the others may need it
+        through us); refuse new posts. Its frames came before its goodbye, so an operation that
+        no longer waits on it can still complete."""
         gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
         with self._lock:
             self._departed[peer] = gone
@@ -808,6 +816,18 @@ class Engine(FrameSink):
 def _bytes_of(array: Array) -> memoryview:
     """The bytes of a contiguous array, writable where the array is."""
     return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def _hint(mine: Descriptor, theirs: Descriptor) -> str:
+    """What to do about a mismatch where the only difference is where the buffers live."""
+    if mine.kind == theirs.kind == KINDS["allreduce"] and mine._replace(root=0) == theirs._replace(
+        root=0
+    ):
+        return (
+            ": allocate that buffer with comm.shared_empty on every rank, or on none (a "
+            "window's number must match too: call shared_empty in the same order everywhere)"
+        )
+    return ""
 
 
 def _payload_bytes(desc: Descriptor) -> int:

@@ -96,8 +96,9 @@ class Collective(ABC):
         """Consume one message whose payload now lies in ``payload``; return what to send next."""
 
     def takes_view(self, src: int, step: int, seg: int) -> bool:
-        """Whether message (src, step, seg) is better consumed straight from a read-only view
-        (shared memory) with ``on_view`` than copied into ``recv_buffer`` first."""
+        """Whether message (src, step, seg) is better consumed straight from where it arrived
+        (a shared-memory arena, the transport's receive staging) with ``on_view`` than copied
+        into ``recv_buffer`` first."""
         return False
 
     def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:

@@ -12,7 +12,7 @@ ordinary buffers. The buffer is cut into n chunks; rank r owns chunk r.
   every peer, rank r reduces its chunk segment by segment (``SEGMENT_BYTES``) in place,
   combining the peers' segment in ascending rank order (so the result does not depend on
   arrival order), and after each sends
-* step 1, REDUCED, segment j (empty): "segment j of chunk r is final in my window". On it,
+* step 1, REDUCED, segment j (empty): "segment j of chunk r is final in my buffer". On it,
   rank r copies that segment out of the sender's buffer into its own. The first
   segment is reduced at once, each further one after one more REDUCED came in: the segments
   are copied soon after they were written, while they are still in the cache the cores share
@@ -27,6 +27,11 @@ written before r sends their REDUCED and read by the others only after it. Why i
 if it stalled, every unfinished rank would have reduced one more segment than all the others
 together have (at least one each), which two unfinished ranks cannot both have, and a single
 one has then reduced more than any chunk has segments (their counts differ by at most one).
+
+Messages only record what arrived; the reading is the algorithm's ``work``, one segment (a
+reduction, or a copy) per call, so the engine can do it between other operations' frames,
+the most urgent first. While any of it is left, every peer whose buffer it will still read
+stays in ``pending_sources``, so a peer that leaves meanwhile fails the operation here.
 
 Per rank: one read-modify-write pass over its own chunk per peer, and one copy of every other
 chunk; for two ranks about two passes over the buffer, against four through the arenas for
@@ -134,7 +139,12 @@ class SharedAllreduce(Collective):
 
     @property
     def pending_sources(self) -> set[int]:
-        return {p for p, left in self._left.items() if left}
+        """Peers with messages still to come, and those whose buffers are still to be read:
+        all of them while my chunk is not reduced, then those with segments left to copy."""
+        waiting = {p for p, left in self._left.items() if left}
+        if self._reduced < len(self._segs[self.rank]) and not self._released:
+            return waiting | set(self.peers)
+        return waiting | {p for p, _ in self._to_copy}
 
     def _known(self, src: int, step: int, seg: int) -> bool:
         """Whether ``src`` sends this rank a message named (step, seg) at all."""

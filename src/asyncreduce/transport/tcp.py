@@ -6,15 +6,18 @@ higher one. Each connection opens with a HELLO (magic, version, rank, world size
 that the acceptor checks and echoes; anything else is dropped. With a shared secret an HMAC
 challenge-response comes first (see the notes above ``connect_mesh`` and auth.py).
 
-``TcpTransport`` then owns the non-blocking sockets. Sending tries the socket at once and
-queues the rest; a peer's queue is a heap on (-priority, age, order): a frame of a more urgent
-operation overtakes queued ones at frame granularity, and among equals the older operation's
-frames go first, so operations in flight together finish one after another, as early as
-each can, instead of all at the end. Headers and payloads leave together in
-one ``sendmsg``, several small frames at a time. Receiving reads headers through a small
-staging buffer (several small frames per ``recv``); once a header is checked, the payload is
-received straight into the buffer the sink names, usually its final place. EOF, a reset, or
-a frame that breaks the protocol ends that connection and is reported once.
+``TcpTransport`` then owns the non-blocking sockets. A frame to an idle connection goes
+straight into the socket; otherwise it is queued, and a peer's queue is a heap on
+(-priority, age, order): a frame of a more urgent operation overtakes queued ones at frame
+granularity, and among equals the older operation's frames go first, so operations in flight
+together finish one after another, as early as each can, instead of all at the end. Headers
+and payloads leave together in one ``sendmsg``, several small frames at a time. Receiving
+reads headers through a small staging buffer (several small frames per ``recv``); a payload
+that came whole with its header may be consumed right there (``frame_view``), else, once
+the header is checked, the payload is received straight into the buffer the sink names,
+usually its final place, waking only once a good part of the rest has arrived
+(SO_RCVLOWAT). EOF, a reset, or a frame that breaks the protocol ends that connection and is
+reported once.
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ class _Peer:
         self.payload: memoryview | None = None
         self.filled = 0
         self.lowat = 1  # the socket's SO_RCVLOWAT
+        # wait for at most a quarter of the receive buffer the kernel granted (it caps SO_RCVBUF
+        # at net.core.rmem_max): more could exceed what the window lets the sender send
+        self.lowat_cap = min(_LOWAT_BYTES, _receive_buffer(sock) // 4)
         self.said_goodbye = False  # the peer is closing in good order: EOF is expected
         self.half_close = False  # shut our side once the queue is empty
 
@@ -173,7 +179,12 @@ class TcpTransport(Transport):
             self._flush(target)
 
     def _send_now(
-        self, peer: _Peer, head: bytes, payload: memoryview, token: object, rank: tuple[int, ...]
+        self,
+        peer: _Peer,
+        head: bytes,
+        payload: memoryview,
+        token: object,
+        rank: tuple[int, int, int],
     ) -> None:
         """A frame to an idle connection: straight into the socket, no queueing (the common
         case of a small operation); what does not fit is queued in flight as usual."""
@@ -182,13 +193,13 @@ class TcpTransport(Transport):
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError as exc:
-            peer.inflight.append(_Out(rank, head, payload, token))  # type: ignore[arg-type]
+            peer.inflight.append(_Out(rank, head, payload, token))
             self._lose(peer, exc)  # which reports it unsent
             return
         if n == len(head) + payload.nbytes:
             self.sink.on_sent(token)
             return
-        peer.inflight.append(_Out(rank, head, payload, token, n))  # type: ignore[arg-type]
+        peer.inflight.append(_Out(rank, head, payload, token, n))
         self._want_write(peer, True)
 
     def _flush(self, peer: _Peer) -> None:
@@ -342,7 +353,7 @@ class TcpTransport(Transport):
                 self._set_lowat(peer, 1)  # the next header wakes us at once
                 self._deliver(peer)
                 return True
-            self._set_lowat(peer, min(wanted - n, _LOWAT_BYTES))
+            self._set_lowat(peer, min(wanted - n, peer.lowat_cap))
             return False  # a short read means the socket is drained for now
         if peer.lo == peer.hi:
             peer.lo = peer.hi = 0
@@ -363,9 +374,15 @@ class TcpTransport(Transport):
         error wakes at once). Used for the rest of a payload, which its sender writes whole:
         one wake-up per ~half a megabyte instead of one per ~64 KiB the network delivers,
         so a rank that computes meanwhile is interrupted a tenth as often."""
-        if peer.lowat != nbytes:
+        nbytes = max(1, nbytes)
+        if peer.lowat == nbytes:
+            return
+        try:
             peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-            peer.lowat = nbytes
+        except OSError:  # not supported here: wake for every byte, as without it
+            peer.lowat_cap = 1
+            return
+        peer.lowat = nbytes
 
     def _parse_staged(self, peer: _Peer) -> None:
         """Take every complete header out of the staging buffer, and what payload follows it."""
@@ -550,6 +567,14 @@ _NO_AUTH = b"ARDHNONE"  # an acceptor without a secret answers an authenticating
 _CONTEXT = b"asyncreduce data v1"  # what the HMAC proofs of this protocol are bound to
 _HANDSHAKE_SECONDS = 5.0
 _MAX_PENDING = 128
+
+
+def _receive_buffer(sock: socket.socket) -> int:
+    """The receive buffer the kernel granted this socket (0 if it will not say)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    except OSError:
+        return 0
 
 
 def _tune(sock: socket.socket) -> None:

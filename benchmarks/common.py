@@ -1028,6 +1028,7 @@ def machine_info() -> dict[str, Any]:
         "open_mpi": _open_mpi_version(),
         "asyncreduce": _version("asyncreduce"),
         "small_allreduce_bytes": algorithms.SMALL_ALLREDUCE_BYTES,
+        "cross_memory_bytes": algorithms.CROSS_MEMORY_BYTES,
     }
 
 

@@ -71,6 +71,7 @@ from asyncreduce.argtypes import positive_float, positive_int
 __all__ = [
     "LIBS",
     "MARK",
+    "MPI_FORWARD",
     "Progress",
     "Rank",
     "Run",
@@ -750,7 +751,11 @@ class Outcome(Protocol):
 
 def set_name(spec: SetSpec) -> str:
     """``"gloo N=2"``, or ``"gloo N=2 2 hosts @ 1gbit"`` where ``spec.where`` says more."""
-    return " ".join(filter(None, [spec.lib, f"N={spec.nprocs}", spec.where]))
+    return _set_words(spec.lib, spec.nprocs, spec.where)
+
+
+def _set_words(lib: str, nprocs: int, where: str | None) -> str:
+    return " ".join(filter(None, [lib, f"N={nprocs}", where]))
 
 
 def set_tag(spec: SetSpec) -> str:
@@ -902,7 +907,7 @@ def cluster_mpirun(c: Any, argv: Sequence[str], forward: Sequence[str]) -> list[
     return list(c.mpirun_argv(list(argv), extra=[a for name in forward for a in ("-x", name)]))
 
 
-_FORWARD = ("PYTHONPATH", "PYTHONUNBUFFERED")  # of cluster_env, what an mpi rank needs
+MPI_FORWARD = ("PYTHONPATH", "PYTHONUNBUFFERED")  # of cluster_env, what an mpi rank needs
 
 
 def _cluster_launch(
@@ -912,7 +917,7 @@ def _cluster_launch(
     command = worker_command(spec)
     if not spec.lib.startswith("mpi"):
         return command, lambda host: {**cluster_env(c, host, master_port), **spec.env}, None
-    env = {k: v for k, v in cluster_env(c, 0, master_port).items() if k in _FORWARD}
+    env = {k: v for k, v in cluster_env(c, 0, master_port).items() if k in MPI_FORWARD}
     env.update(spec.env)
     return cluster_mpirun(c, command, list(env)), lambda host: env, [0]
 
@@ -1064,8 +1069,7 @@ def preamble(run: Run, machine: dict[str, Any]) -> list[str]:
     lines = [machine_line(machine)]
     lines += [f"skipped {lib}: {why}" for lib, why in run.skipped.items()]
     for f in run.failures:
-        which = " ".join(filter(None, [f["lib"], f"N={f['nprocs']}", f.get("where")]))
-        lines.append(f"FAILED {which}: {f['error']}")
+        lines.append(f"FAILED {_set_words(f['lib'], f['nprocs'], f.get('where'))}: {f['error']}")
     lines += [f"note: {text}" for text in run.notes]
     return lines
 

@@ -331,7 +331,7 @@ def _run_set(c: Any, lib: str, settings: Settings, run: Run, rate: str) -> None:
     started = time.monotonic()
     try:
         if lib == "mpi":
-            mpi = common.cluster_mpirun(c, argv, ["PYTHONPATH", "PYTHONUNBUFFERED"])
+            mpi = common.cluster_mpirun(c, argv, common.MPI_FORWARD)
             codes = c.run(mpi, lambda i: _env(c, lib, i), timeout=limit, on_line=lines, on=[0])
         else:
             codes = c.run(argv, lambda i: _env(c, lib, i), timeout=limit, on_line=lines)

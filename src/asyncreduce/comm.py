@@ -348,6 +348,11 @@ def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[
 # ---- building a communicator -----------------------------------------------------------------
 
 
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic), never quite zero: a timeout to pass on."""
+    return max(0.001, deadline - time.monotonic())
+
+
 def _env_int(*names: str) -> int | None:
     for n in names:
         if os.environ.get(n):
@@ -394,7 +399,7 @@ def _share_memory(
     """
     enabled = os.environ.get("ASYNCREDUCE_SHM", "1") != "0"
     me = host_identity() if enabled else f"tcp-only-{rank}-{os.getpid()}"
-    remaining = max(0.001, deadline - time.monotonic())
+    remaining = _remaining(deadline)
     idents = gather(store, "asyncreduce/host", rank, world_size, me.encode(), remaining)
     local = [p for p in range(world_size) if p != rank and idents[p] == me.encode()]
     outgoing: dict[int, tuple[str, Arena]] = {}
@@ -404,7 +409,7 @@ def _share_memory(
             outgoing[peer] = create_arena()
             store.set(f"asyncreduce/shm/{rank}/{peer}", outgoing[peer][0].encode())
         for peer in local:
-            wait = max(0.001, deadline - time.monotonic())
+            wait = _remaining(deadline)
             theirs = store.get(f"asyncreduce/shm/{peer}/{rank}", wait).decode()
             arenas[peer] = (outgoing[peer][1], open_arena(theirs))
         gather(
@@ -413,7 +418,7 @@ def _share_memory(
             rank,
             world_size,
             b"",
-            max(0.001, deadline - time.monotonic()),
+            _remaining(deadline),
         )
     except BaseException:
         for _, arena in outgoing.values():
@@ -438,24 +443,21 @@ def _cross_memory(
     store, keeps those it was sent in its own memory and says where, and reads its own back
     from every peer's pid. ASYNCREDUCE_CMA=0 on any rank turns it off for all; a rank that
     could not read logs why, once."""
-    def remaining() -> float:
-        return max(0.001, deadline - time.monotonic())
-
     wanted = os.environ.get("ASYNCREDUCE_CMA", "1") != "0" and cma.available()
     mine = [os.urandom(_CHALLENGE) for _ in range(world_size)]  # mine[p]: what p must hold
     record = struct.pack("<Q", os.getpid()) + b"".join(mine) if wanted else b""
-    records = gather(store, "asyncreduce/cma", rank, world_size, record, remaining())
+    records = gather(store, "asyncreduce/cma", rank, world_size, record, _remaining(deadline))
     sizes_ok = all(len(r) == 8 + _CHALLENGE * world_size for r in records)
     held = np.frombuffer(  # the challenges sent to this rank, in rank order, kept alive below
         b"".join(r[8 + _CHALLENGE * rank :][:_CHALLENGE] for r in records) if sizes_ok else b"",
         np.uint8,
     ).copy()
     where = struct.pack("<Q", held.ctypes.data) if sizes_ok else b""
-    places = gather(store, "asyncreduce/cma-at", rank, world_size, where, remaining())
+    places = gather(store, "asyncreduce/cma-at", rank, world_size, where, _remaining(deadline))
     pids = {p: struct.unpack("<Q", r[:8])[0] for p, r in enumerate(records) if sizes_ok}
     why = _unreadable(rank, pids, places, mine) if wanted and sizes_ok else "not every rank can"
     verdict = b"" if why else b"1"
-    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, verdict, remaining())
+    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, verdict, _remaining(deadline))
     del held  # every rank has read it
     if why and wanted:
         log.info(
@@ -492,7 +494,7 @@ def _leave_store(store: Store, rank: int, world_size: int, deadline: float) -> N
         store.set(f"asyncreduce/left/{rank}", b"")
         return
     for peer in range(1, world_size):
-        store.get(f"asyncreduce/left/{peer}", max(0.001, deadline - time.monotonic()))
+        store.get(f"asyncreduce/left/{peer}", _remaining(deadline))
 
 
 def init(
@@ -542,11 +544,11 @@ def init(
             listener.listen(world_size)
             if rank == 0:
                 store.set("asyncreduce/token", os.urandom(16))
-            token = store.get("asyncreduce/token", max(0.001, deadline - time.monotonic()))
+            token = store.get("asyncreduce/token", _remaining(deadline))
             me = f"{host}:{listener.getsockname()[1]}".encode()
             # rank 0 serves the store: it waits a little longer, so the others time out on their
             # own (naming who is missing) instead of seeing the store vanish
-            wait = max(0.001, deadline - time.monotonic()) + (0.5 if rank == 0 else 0.0)
+            wait = _remaining(deadline) + (0.5 if rank == 0 else 0.0)
             found = gather(store, "asyncreduce/addr", rank, world_size, me, wait)
             addresses = [
                 (a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found

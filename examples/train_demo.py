@@ -30,7 +30,7 @@ def make_model(width: int, depth: int) -> nn.Module:
 
 
 def train(comm: ar.Communicator, mode: str, args: argparse.Namespace) -> tuple[float, float, str]:
-    timeline = Timeline(comm.rank)
+    timeline = Timeline(comm)
     model = art.DataParallel(
         make_model(args.width, args.depth), comm, mode=mode, timeline=timeline,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),

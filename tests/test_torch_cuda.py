@@ -314,7 +314,8 @@ def test_unsupported_device_is_a_usage_error() -> None:
 
 
 def test_buckets_hold_one_device_each() -> None:
-    from asyncreduce.torch.data_parallel import _layer_groups, _size_groups
+    from asyncreduce.torch.buckets import layer_groups as _layer_groups
+    from asyncreduce.torch.buckets import size_groups as _size_groups
 
     class Split(nn.Module):
         def __init__(self) -> None:

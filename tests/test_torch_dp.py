@@ -552,7 +552,7 @@ def test_communicator_usable_after_bad_input() -> None:
 def test_busy_clock_counts_overlapping_spans_once_and_stays_bounded() -> None:
     from types import SimpleNamespace
 
-    from asyncreduce.torch.data_parallel import _BusyClock
+    from asyncreduce.torch.stats import _BusyClock
 
     clock = _BusyClock()
     for i in range(1000):  # spans [2i, 2i+1] and an overlapping [2i+0.5, 2i+1.5]

@@ -3,7 +3,9 @@
 The collective works on a flat, contiguous numpy array over the caller's own memory (no copy
 for in-place operations), and the result goes back as the caller's type: the same object when
 the operation is in place, a new object of the same kind otherwise. PyTorch is imported only
-if the caller passed a tensor. bfloat16 tensors travel as their 16-bit patterns.
+if the caller passed a tensor. bfloat16 tensors travel as their 16-bit patterns. A tensor
+handed over in place has its version counter bumped, as a torch in-place op would, so autograd
+refuses a backward that saved it before the collective overwrote it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def _torch(t: Any, what: str, inplace: bool) -> Buffer:
         raise UsageError(f"{what} is not contiguous; pass {what}.contiguous() instead")
     data = t.detach() if inplace else t.detach().clone()
     original = t if inplace else data
+    if inplace:
+        torch.autograd.graph.increment_version(t)
     if data.dtype == torch.bfloat16:
         flat = data.view(torch.int16).numpy().view(np.uint16).reshape(-1)
         return Buffer(original, flat, tuple(t.shape), DTYPES["bfloat16"], _bf16_tensor)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cma
+from . import cma, forks
 from .algorithms import (
     CROSS_MEMORY,
     CROSS_MEMORY_BYTES,
@@ -55,6 +55,8 @@ from .window import WindowError, Windows
 __all__ = ["Communicator", "init"]
 
 log = logging.getLogger("asyncreduce.comm")
+log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked for:
+log_ops.setLevel(logging.INFO)  # off even under logging.basicConfig(level=DEBUG)
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -83,11 +85,14 @@ class Communicator:
         self._engine = engine
         self._one_host = one_host and engine is not None  # every peer shares memory with us
         self._cross = cross if self._one_host else None  # ordinary buffers read in place too
+        self._clock_origin = time.perf_counter()  # a world of one: now; else set by init
         self._windows = Windows()
         self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
         self._key_lock = threading.Lock()
         self._posted: defaultdict[str, int] = defaultdict(int)
         self._closed = False
+        self._generation = forks.generation()
+        self._pid = os.getpid()
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -196,6 +201,7 @@ class Communicator:
         """
         if self._closed:
             raise ClosedError("shared_empty: the communicator is closed")
+        self._check_process("shared_empty")
         dims, kind = _shape_and_dtype(shape, dtype)
         if not self._one_host:
             return np.empty(dims, kind)
@@ -216,8 +222,12 @@ class Communicator:
     # ---- life cycle ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Fail pending requests with ClosedError, then close every socket and join every thread."""
+        """Fail pending requests with ClosedError, then close every socket and join every thread.
+
+        In a forked child it only marks this copy closed: the connections are the parent's."""
         self._closed = True
+        if self._forked():
+            return
         if self._engine is not None:
             self._engine.close()
         self._runner.close()
@@ -228,6 +238,8 @@ class Communicator:
         rank's communicator breaks within a heartbeat with ``reason`` (an ABORT frame), and
         this one closes without waiting for anybody. Returns within about a second."""
         self._closed = True
+        if self._forked():
+            return
         if self._engine is not None:
             self._engine.abort(reason)
         self._runner.close()
@@ -246,6 +258,14 @@ class Communicator:
         if self._engine is None:
             raise UsageError("a world of one records no operations")
         return self._engine.flight.dump(path)
+
+    @property
+    def clock_origin(self) -> float:
+        """This rank's ``time.perf_counter()`` reading of one instant every rank shares: the
+        end of the rendezvous, as rank 0 saw it. Timelines count from it, so the files of all
+        ranks line up (exactly on one host, where every process reads the same clock; across
+        hosts within about one message latency)."""
+        return self._clock_origin
 
     @property
     def stall_reports(self) -> list[str]:
@@ -268,6 +288,18 @@ class Communicator:
         return f"<Communicator rank {self.rank} of {self.world_size}{state}>"
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _forked(self) -> bool:
+        return self._generation != forks.generation()
+
+    def _check_process(self, what: str) -> None:
+        if self._forked():
+            raise UsageError(
+                f"{what}: this communicator belongs to process {self._pid}, and this is a "
+                "forked child of it, where its progress thread and connections do not run. "
+                "Make a new communicator in the child (ar.init), or start it with the 'spawn' "
+                "method; children that do not communicate (DataLoader workers) need nothing"
+            )
 
     def _check_reduction(self, op: str, buf: Buffer) -> None:
         if op not in REDUCTIONS:
@@ -300,6 +332,7 @@ class Communicator:
             )
         if self._closed:
             raise ClosedError(f"{kind}: the communicator is closed")
+        self._check_process(kind)
         key = self._next_key(name)
         label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
         reduce = REDUCTION_CODES[op] if op else 0
@@ -316,6 +349,8 @@ class Communicator:
             kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root, shared
         )
         request: Request[Any] = Request(label, self._runner)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
         if self._engine is None:  # a world of one: nothing to talk to
             algo.start()
             request.set_result(result())
@@ -390,8 +425,9 @@ def _local_address(master_addr: str) -> str:
 
 def _share_memory(
     store: Store, rank: int, world_size: int, deadline: float
-) -> dict[int, tuple[Arena, Arena]]:
-    """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)}.
+) -> tuple[dict[int, tuple[Arena, Arena]], dict[int, str]]:
+    """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)},
+    and for every other peer why it is TCP only.
 
     Arena files are unlinked once every rank has mapped its arenas, so nothing is left behind
     however the job ends. ASYNCREDUCE_SHM=0 on any rank keeps that rank on TCP only (its
@@ -402,6 +438,12 @@ def _share_memory(
     remaining = _remaining(deadline)
     idents = gather(store, "asyncreduce/host", rank, world_size, me.encode(), remaining)
     local = [p for p in range(world_size) if p != rank and idents[p] == me.encode()]
+    tcp_only = {
+        p: "ASYNCREDUCE_SHM=0 here" if not enabled
+        else f"ASYNCREDUCE_SHM=0 on rank {p}" if idents[p].startswith(b"tcp-only-")
+        else "another host"
+        for p in range(world_size) if p != rank and p not in local
+    }  # fmt: skip
     outgoing: dict[int, tuple[str, Arena]] = {}
     arenas: dict[int, tuple[Arena, Arena]] = {}
     try:
@@ -429,7 +471,7 @@ def _share_memory(
     finally:
         for path, _ in outgoing.values():
             os.unlink(path)
-    return arenas
+    return arenas, tcp_only
 
 
 _CHALLENGE = 16  # bytes of the random challenge each rank sends each other rank
@@ -437,12 +479,12 @@ _CHALLENGE = 16  # bytes of the random challenge each rank sends each other rank
 
 def _cross_memory(
     store: Store, rank: int, world_size: int, deadline: float
-) -> CrossMemory | None:
+) -> tuple[CrossMemory | None, str]:
     """Cross-memory attach with every peer (all on this host), if every rank can read every
     other's memory (see cma.py): each rank sends each other a random challenge through the
     store, keeps those it was sent in its own memory and says where, and reads its own back
     from every peer's pid. ASYNCREDUCE_CMA=0 on any rank turns it off for all; a rank that
-    could not read logs why, once."""
+    could not read logs why, once. Returns the reader (None: off) and why it is off."""
     wanted = os.environ.get("ASYNCREDUCE_CMA", "1") != "0" and cma.available()
     mine = [os.urandom(_CHALLENGE) for _ in range(world_size)]  # mine[p]: what p must hold
     record = struct.pack("<Q", os.getpid()) + b"".join(mine) if wanted else b""
@@ -466,8 +508,8 @@ def _cross_memory(
             "allow it; ASYNCREDUCE_CMA=0 turns it off without trying", rank, why,
         )  # fmt: skip
     if not all(verdicts):
-        return None
-    return CrossMemory({p: pid for p, pid in pids.items() if p != rank})
+        return None, why or "another rank cannot read" if wanted else "ASYNCREDUCE_CMA=0"
+    return CrossMemory({p: pid for p, pid in pids.items() if p != rank}), ""
 
 
 def _unreadable(
@@ -515,6 +557,7 @@ def init(
     ``tcp://host:port`` or ``file:///shared/dir``.
     Raises TimeoutError naming the ranks that did not join within ``timeout`` seconds.
     """
+    launcher = "arguments" if rank is not None and world_size is not None else _launcher()
     rank = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
     world_size = (
         world_size
@@ -554,11 +597,65 @@ def init(
                 (a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found
             ]
             socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
-            arenas = _share_memory(store, rank, world_size, deadline)
+            arenas, tcp_only = _share_memory(store, rank, world_size, deadline)
             one_host = len(arenas) == world_size - 1
-            cross = _cross_memory(store, rank, world_size, deadline) if one_host else None
+            cross, no_cross = (
+                _cross_memory(store, rank, world_size, deadline)
+                if one_host
+                else (None, "not every rank is on this host")
+            )
             _leave_store(store, rank, world_size, deadline)
     finally:
         store.close()
     engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
-    return Communicator(rank, world_size, engine, one_host, cross)
+    comm = Communicator(rank, world_size, engine, one_host, cross)
+    comm._clock_origin = _shared_clock_origin(comm, one_host, _remaining(deadline))
+    log.info("%s", _describe(comm, launcher, sorted(arenas), tcp_only, one_host, no_cross))
+    return comm
+
+
+def _launcher() -> str:
+    """Which launcher started this process, from the variables only it sets."""
+    env = os.environ
+    for marker, name in (
+        ("TORCHELASTIC_RUN_ID", "torchrun"),
+        ("ASYNCREDUCE_RUN", "asyncreduce run"),
+        ("SLURM_PROCID", "srun"),
+        ("OMPI_COMM_WORLD_RANK", "mpirun (Open MPI)"),
+        ("PMI_RANK", "mpirun (PMI)"),
+    ):
+        if marker in env:
+            return name
+    return "environment" if "RANK" in env else "arguments"
+
+
+def _describe(
+    comm: Communicator, launcher: str, shared: list[int], tcp_only: dict[int, str],
+    one_host: bool, no_cross: str,
+) -> str:  # fmt: skip
+    """The one INFO line of a new communicator: who, and which data plane to each peer."""
+    planes = [f"rank {p}: shared memory (same host)" for p in shared]
+    planes += [f"rank {p}: tcp ({why})" for p, why in sorted(tcp_only.items())]
+    cross = "on" if comm._cross is not None else f"off ({no_cross})"
+    windows = "on" if one_host else "off (not every rank is on this host)"
+    return (
+        f"rank {comm.rank} of {comm.world_size} joined (launcher: {launcher}); "
+        f"{'; '.join(planes)}; cross-memory attach: {cross}; shared windows: {windows}"
+    )
+
+
+def _shared_clock_origin(comm: Communicator, one_host: bool, timeout: float) -> float:
+    """This rank's clock reading of the instant rank 0 left a barrier at the end of init.
+
+    On one host every process reads the same CLOCK_MONOTONIC, so rank 0's reading is the
+    answer. Across hosts each rank takes, over five barriers, the median of its own reading
+    minus rank 0's at the barrier's end, which is its clock's offset up to the barrier's skew
+    (about one message latency)."""
+    offsets = []
+    for _ in range(1 if one_host else 5):
+        comm.barrier(name="asyncreduce/clock", timeout=timeout)
+        now = time.perf_counter()
+        readings = comm.allgather(np.array([now]), name="asyncreduce/clock", timeout=timeout)
+        rank0 = float(readings[0][0])
+        offsets.append(0.0 if one_host else now - rank0)
+    return rank0 + sorted(offsets)[len(offsets) // 2]

@@ -84,6 +84,7 @@ from .transport.frame import (
 __all__ = ["Engine", "Operation", "Settings", "describe"]
 
 log = logging.getLogger("asyncreduce.engine")
+log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
 
 Key = tuple[bytes, int]
 _FORGET_AFTER = 4096  # how many failed keys are remembered, to drop their late frames
@@ -564,6 +565,8 @@ class Engine(FrameSink):
     def _finish_record(self, op: Operation, error: BaseException | None) -> None:
         if op.record is not None:
             self.flight.finish(op.record, error)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d ends %s: %s", self.rank, op.label, error or "done")
 
     def _remember_done(self, op: Operation) -> None:
         """Keep the descriptor of a completed operation (bounded), to judge late frames for it."""

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 ``run`` starts ``N`` copies of one program, rank ``0 … N-1``, each told who it is through the
 environment that ``asyncreduce.init()`` (and torchrun-style code) reads: ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-``PYTHONUNBUFFERED=1``. A program whose name ends in ``.py`` runs under this interpreter
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``PYTHONUNBUFFERED=1`` and ``ASYNCREDUCE_RUN=1`` (which names the launcher in the logs). A
+program whose name ends in ``.py`` runs under this interpreter
 (``sys.executable``); anything else runs as a command found on ``PATH``. When no port is given
 the launcher picks a free one (bind to port 0, read it, close: another process can take it in
 between, so pass ``master_port`` where that matters). Children read no input (stdin is
@@ -104,6 +105,7 @@ def child_env(rank: int, nprocs: int, master_addr: str, master_port: int) -> dic
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         PYTHONUNBUFFERED="1",
+        ASYNCREDUCE_RUN="1",
     )
     return env
 

@@ -20,6 +20,9 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from . import forks
+from .errors import UsageError
+
 __all__ = ["Request", "CallbackRunner", "wait_all", "wait_any"]
 
 log = logging.getLogger("asyncreduce")
@@ -79,10 +82,16 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.posted_at = time.perf_counter()
         self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
+        self._generation = forks.generation()
         self.set_running_or_notify_cancel()
 
     def wait(self, timeout: float | None = None) -> T:
         """The result, once the operation completes; raises its error, or TimeoutError."""
+        if self._generation != forks.generation() and not self.done():
+            raise UsageError(
+                f"{self.label} was posted before this process was forked; only the parent "
+                "can complete it (its progress thread does not run in a child)"
+            )
         try:
             return self.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -127,7 +136,7 @@ def wait_all(requests: Iterable[Request[Any]], timeout: float | None = None) -> 
 def wait_any(requests: Sequence[Request[Any]], timeout: float | None = None) -> tuple[int, Any]:
     """Wait until one request completes; return (its index, its result)."""
     if not requests:
-        raise ValueError("wait_any needs at least one request")
+        raise UsageError("wait_any needs at least one request")
     done, _ = concurrent.futures.wait(requests, timeout, concurrent.futures.FIRST_COMPLETED)
     if not done:
         raise TimeoutError(f"none of {len(requests)} requests completed within {timeout} s")

@@ -4,7 +4,8 @@ Theory of operation: a ``Timeline`` collects complete events (name, track, start
 ``time.perf_counter`` seconds from any thread (appending to a list is atomic in CPython, and
 recording costs two floats and a tuple, nothing when no timeline is attached). ``write``
 emits them as "X" events in microseconds with the rank as the process, so one file per rank
-can be opened together.
+can be opened together. Made from a communicator, a timeline counts from its
+``clock_origin``, an instant every rank shares, so the ranks' files line up on one time axis.
 """
 
 from __future__ import annotations
@@ -15,17 +16,30 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 __all__ = ["Timeline"]
 
 
-class Timeline:
-    """Events of one rank; tracks are named rows (``train``, ``comm``) in the viewer."""
+class _Clocked(Protocol):
+    rank: int
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    @property
+    def clock_origin(self) -> float: ...
+
+
+class Timeline:
+    """Events of one rank; tracks are named rows (``train``, ``comm``) in the viewer.
+
+    ``Timeline(comm)`` counts from the communicator's shared ``clock_origin``; ``Timeline(rank)``
+    from the moment it is made (one process alone)."""
+
+    def __init__(self, source: _Clocked | int) -> None:
+        if isinstance(source, int):
+            self.rank, self._origin = source, time.perf_counter()
+        else:
+            self.rank, self._origin = source.rank, source.clock_origin
         self.events: list[tuple[str, str, float, float]] = []
-        self._origin = time.perf_counter()
 
     def add(self, name: str, track: str, start: float, end: float) -> None:
         self.events.append((name, track, start, end))

@@ -6,7 +6,19 @@ model = art.DataParallel(module, comm, optimizer=lambda ps: torch.optim.SGD(ps, 
 art.iallreduce(comm, cuda_tensor, name="x").wait()    # CPU: no copy; CUDA: staged
 """
 
+try:
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError as _missing:  # pragma: no cover - exercised in a torch-less venv
+    if _missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "asyncreduce.torch needs PyTorch, which is not installed: "
+        "pip install 'asyncreduce[torch]'",
+        name="torch",
+    ) from None
+
 from .data_parallel import MODES, DataParallel
+from .optimizer import DataParallelOptimizer
 from .staging import iallreduce
 
-__all__ = ["DataParallel", "MODES", "iallreduce"]
+__all__ = ["DataParallel", "DataParallelOptimizer", "MODES", "iallreduce"]

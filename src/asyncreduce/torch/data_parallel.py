@@ -1,33 +1,39 @@
 """Data-parallel training that overlaps gradient allreduce with computation.
 
-Theory of operation. Parameters are grouped into buckets: one per layer (a module that owns
-parameters directly) in ``forward`` mode, or runs of parameters in reverse registration order
-up to ``bucket_bytes`` otherwise (the order in which backward produces them). Each bucket has a
-flat buffer holding its gradients followed by one "used" flag per parameter.
+Theory of operation. Parameters are grouped into buckets (buckets.py): one per layer in
+``forward`` mode, runs of parameters up to ``bucket_bytes`` otherwise. Every synced backward
+pass (one outside ``no_sync()``) sends every bucket exactly once, so every rank posts the same
+operations however its graph looked:
 
 * A post-accumulate-grad hook marks a parameter ready once its gradient is complete (after
-  every use, so a parameter used many times, as in an LSTM or tied weights, is sent once).
-  When every parameter of a bucket is ready, its buffer is filled and ``iallreduce``-d (sum,
-  named after the bucket, so ranks may finish buckets in any order).
-* ``step()`` posts the buckets whose hooks did not all fire (parameters this rank did not use
-  send zeros with flag 0), so every rank posts the same operations without a graph walk.
-  After the sum, a parameter whose flags add to 0 was unused on every rank: its grad stays
-  None and the optimizer leaves it alone, as in single-process training; otherwise its grad is
-  the sum divided by the world size (ranks that did not use it contributed zeros).
-* What ``step()`` then does is the mode: ``blocking`` posts everything only now and waits;
-  ``backward`` waits for what backward already posted (the DDP way); ``forward`` waits for
-  nothing: each layer's bucket is waited for, unpacked and stepped by its own optimizer just
-  before that layer's next forward (a forward pre-hook), so communication overlaps the rest of
-  backward and the next forward; ``double_buffer`` applies the previous step's gradients (one
-  step stale) while this step's travel. ``synchronize()`` applies whatever is pending.
+  every use: a parameter used many times, as in an LSTM or tied weights, is sent once). The
+  first hook of a pass queues autograd's final callback, which runs when ``backward()`` is
+  about to return. Except in ``blocking`` mode, a bucket is packed and ``iallreduce``-d (sum,
+  named after the bucket) as soon as all its parameters are ready; the final callback posts
+  the buckets this rank's graph did not complete (unused parameters send zeros, flag 0).
+* What then happens is the mode. ``blocking`` posts everything in the final callback and
+  waits; ``backward`` waits there for what backward already sent (the DDP way). Either way
+  every ``p.grad`` holds the average when ``backward()`` returns, so clipping, logging or
+  checks between ``backward()`` and ``step()`` see what DDP shows them. ``forward`` and
+  ``double_buffer`` wait for nothing: ``step()`` closes the step. ``forward`` applies each
+  layer's update just before that layer's next forward (a forward pre-hook) with the
+  hyper-parameters ``step()`` saw, so communication overlaps the rest of backward and the
+  next forward; ``double_buffer`` applies the previous step's gradients (one step stale)
+  while this step's travel. In those two modes ``p.grad`` still holds this rank's own gradient
+  after backward, and changing it before ``step()`` is an error (what was sent would differ).
+* Accumulation: gradients accumulate in ``p.grad`` as usual. Each synced pass sends the whole
+  accumulated gradient; a later pass of the same step supersedes an earlier one (its result is
+  waited for and dropped). Since averaging is linear this gives what DDP gives: the sum over
+  passes of the averages. Inside ``no_sync()`` nothing is sent.
+* ``optimizer`` (optimizer.py) is the one torch optimizer over every parameter; ``step()`` of
+  the wrapper and of ``model.optimizer`` are the same call. Buffers follow DDP (replicas.py).
 
 Devices. A bucket holds parameters of one device and dtype. CPU buckets are reduced in place
 (no copy), and their buffers are carved from one shared window per dtype
 (``comm.shared_empty``), so with every rank on one host their allreduces read the peers'
-buffers in place instead of sending them; CUDA buckets travel through a pinned host twin of
-their buffer (one per buffer, allocated once) by the device's staging thread (staging.py), and
-every wait point above is a request ``wait()``, which orders this thread's current stream
-after the copy back.
+buffers in place; CUDA buckets travel through a pinned host twin of their buffer by the
+device's staging thread (staging.py), and every wait is a request ``wait()``, which orders
+this thread's current stream after the copy back.
 """
 
 from __future__ import annotations
@@ -36,52 +42,42 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from ..comm import Communicator
-from ..errors import MismatchError, UsageError
+from ..errors import ClosedError, UsageError
 from ..request import Request
 from ..trace import Timeline
-from .staging import Stager, stager_for
+from .buckets import Bucket, Update, layer_groups, size_groups
+from .optimizer import DataParallelOptimizer
+from .replicas import BufferSync, broadcast_bytes, broadcast_parameters, check_same_everywhere
+from .staging import stager_for
+from .stats import CommStats
 
 __all__ = ["DataParallel", "MODES"]
 
 MODES = ("blocking", "backward", "forward", "double_buffer")
+_AVERAGED_IN_BACKWARD = ("blocking", "backward")  # p.grad is the average once backward returns
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _NEEDS_ALL_GRADIENTS = (torch.optim.LBFGS,)  # re-evaluates the whole model in step()
-_MAX_DIMS = 8
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """Parameters whose gradients travel together, and where their allreduce stands."""
-
-    name: str
-    params: list[nn.Parameter]
-    priority: int
-    buffers: list[torch.Tensor]  # two in double_buffer mode, else one
-    module: nn.Module | None = None  # forward mode: the layer that owns the parameters
-    optimizer: torch.optim.Optimizer | None = None  # forward mode: its own optimizer
-    ready: set[int] = field(default_factory=set)
-    posted: list[tuple[Request[Any], torch.Tensor]] = field(default_factory=list)  # oldest first
-    posted_in: int = -1  # the last generation (step) this bucket was posted in
-    stager: Stager | None = None  # None: the buffers are on the CPU and reduced in place
-    hosts: list[torch.Tensor] = field(default_factory=list)  # with a stager: one per buffer
-
-    def flat(self, generation: int) -> torch.Tensor:
-        return self.buffers[generation % len(self.buffers)]
-
-    def host(self, generation: int) -> torch.Tensor:
-        return self.hosts[generation % len(self.hosts)]
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class DataParallel(nn.Module):
-    """Wrap ``module`` for data-parallel training over ``comm`` (see the module docstring)."""
+    """Wrap ``module`` for data-parallel training over ``comm`` (see the module docstring).
+
+    ``optimizer`` is a factory, ``lambda params: torch.optim.SGD(params, lr=0.1)``, called once
+    with ``list(module.parameters())``; the optimizer it makes is ``model.optimizer``.
+    ``broadcast_buffers``: as DDP's, rank 0's buffers on every rank at construction and
+    before each forward that follows a training forward; False leaves each rank's buffers
+    alone. ``timeline``: record forward, backward, every allreduce and every wait into it.
+    """
 
     def __init__(
         self,
@@ -91,57 +87,69 @@ class DataParallel(nn.Module):
         mode: str = "forward",
         bucket_bytes: int = 4 << 20,
         timeline: Timeline | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
-        """``timeline``: record forward, backward, every allreduce and every wait into it
-        (``timeline.write(path)`` gives Chrome trace JSON that Perfetto opens)."""
         super().__init__()
-        if mode not in MODES:
-            raise UsageError(f"mode={mode!r} is not one of {', '.join(MODES)}")
-        if not callable(optimizer):
-            raise UsageError(
-                "optimizer must be a factory: lambda params: torch.optim.SGD(params, ...)"
-            )
+        _check_arguments(module, mode, optimizer)
         self.module = module
         self.mode = mode
+        self.timeline = timeline
         self._comm = comm
         self._sync = True
-        self._generation = 0
-        self._exposed = 0.0
-        self.timeline = timeline
+        self._generation = 0  # steps closed so far (double_buffer alternates buffers by it)
+        self._pass = 0  # synced backward passes so far
+        self._pass_open = False  # a synced pass is running: its final callback is queued
+        self._passes = 0  # synced passes in this step
         self._forward_end = 0.0
-        self._busy = _BusyClock()
-        params = [p for p in module.parameters() if p.requires_grad]
-        for device in {p.device for p in params}:
+        self._stats = CommStats()
+        self._closed = False
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        for device in {p.device for p in self._params}:
             stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
-        self._params = params
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
-        _check_same_everywhere(comm, module)
-        _broadcast_from_rank0(comm, params)
-        self._buckets = self._make_buckets(params, bucket_bytes)
+        check_same_everywhere(comm, named, "parameter")
+        broadcast_parameters(comm, self._params, self._prefix)
+        self._buffer_sync = BufferSync(comm, module, self._prefix, broadcast_buffers)
+        if broadcast_buffers:
+            check_same_everywhere(comm, list(module.named_buffers()), "buffer")
+            broadcast_bytes(comm, self._buffer_sync.buffers(), f"{self._prefix}.buffers-init")
+        self._buckets = self._make_buckets(self._params, bucket_bytes)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
-        self._optimizer = self._make_optimizers(optimizer, params)
-        self._hooks = self._install_hooks(params)
+        self.optimizer = DataParallelOptimizer(
+            _made(optimizer(list(module.parameters()))), weakref.WeakMethod(self._step)
+        )
+        if mode not in _AVERAGED_IN_BACKWARD and isinstance(
+            self.optimizer.inner, _NEEDS_ALL_GRADIENTS
+        ):
+            raise UsageError(
+                f"{type(self.optimizer.inner).__name__} needs all gradients at once, so it "
+                f"cannot step layer by layer in mode={mode!r}; use mode='backward'"
+            )
+        self._hooks = self._install_hooks()
+        weakref.finalize(self, _remove_all, self._hooks)
+        _WRAPPED[module] = weakref.ref(self)
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
         groups = (
-            _layer_groups(self.module)
+            layer_groups(self.module)
             if self.mode == "forward"
-            else _size_groups(params, bucket_bytes)
+            else size_groups(params, bucket_bytes)
         )
         copies = 2 if self.mode == "double_buffer" else 1
         sizes = [sum(p.numel() for p in group) + len(group) for _, group in groups]
         shared = self._shared_buffers([g for _, g in groups], sizes, copies)
         buckets = []
         for i, (module, group) in enumerate(groups):
-            size = sizes[i]
             device, dtype = group[0].device, group[0].dtype
             buffers = shared.get(i) or [
-                torch.zeros(size, dtype=dtype, device=device) for _ in range(copies)
+                torch.zeros(sizes[i], dtype=dtype, device=device) for _ in range(copies)
             ]
             priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
-            bucket = _Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module)
+            bucket = Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module)
             bucket.stager = stager_for(self._comm, device)
             if bucket.stager is not None:
                 bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
@@ -172,77 +180,98 @@ class DataParallel(nn.Module):
                     offset += sizes[i]
         return out
 
-    def _make_optimizers(
-        self, factory: OptimizerFactory, params: list[nn.Parameter]
-    ) -> torch.optim.Optimizer | None:
-        if self.mode != "forward":
-            return _checked(factory(params), "")
-        for bucket in self._buckets:
-            bucket.optimizer = _checked(factory(bucket.params), bucket.name)
-            if isinstance(bucket.optimizer, _NEEDS_ALL_GRADIENTS):
-                raise UsageError(
-                    f"{type(bucket.optimizer).__name__} needs all gradients at once, so it cannot "
-                    "step layer by layer in mode='forward'; use mode='backward'"
-                )
-        return None
+    def _install_hooks(self) -> list[Any]:
+        me = weakref.ref(self)  # hooks must not keep the wrapper alive (close on collection)
 
-    def _install_hooks(self, params: list[nn.Parameter]) -> list[Any]:
-        hooks: list[Any] = []
-        if self.mode != "blocking":
-            ready = self._on_grad_ready
-            hooks += [p.register_post_accumulate_grad_hook(ready) for p in params]  # type: ignore[no-untyped-call]
+        def grad_ready(param: torch.Tensor) -> None:
+            wrapper = me()
+            if wrapper is not None:
+                wrapper._on_grad_ready(param)
+
+        hooks: list[Any] = [
+            p.register_post_accumulate_grad_hook(grad_ready)  # type: ignore[no-untyped-call]
+            for p in self._params
+        ]
         if self.mode == "forward":
             for bucket in self._buckets:
                 assert bucket.module is not None
-                hook = bucket.module.register_forward_pre_hook(
-                    lambda m, a, b=bucket: self._apply_pending(b)
-                )
-                hooks.append(hook)
+                hooks.append(bucket.module.register_forward_pre_hook(_LayerHook(me, bucket)))
         return hooks
 
     # ---- the training loop ---------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("forward")
         start = time.perf_counter()
+        self._pass_open = False  # a backward that raised never ran its final callback
+        self._buffer_sync.before_forward()
         out = self.module(*args, **kwargs)
+        self._buffer_sync.after_forward(self._sync)
         self._forward_end = time.perf_counter()
         if self.timeline is not None:
             self.timeline.add("forward", "train", start, self._forward_end)
         return out
 
-    def step(self) -> None:
-        """Post what backward did not; then wait and step as the mode says; clear gradients."""
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """What the mode says, then the gradients are cleared; the same as
+        ``model.optimizer.step()`` (call either, then your LR scheduler's ``step()``).
+        ``closure`` (LBFGS): blocking and backward modes only."""
+        return self.optimizer.step(closure)
+
+    def _step(self, closure: Callable[[], float] | None) -> Any:
+        self._check_open("step")
         if self.timeline is not None and self._forward_end:
             self.timeline.add("backward", "train", self._forward_end, time.perf_counter())
         started = time.perf_counter()
-        self._step()
+        if closure is not None and self.mode not in _AVERAGED_IN_BACKWARD:
+            raise UsageError(
+                f"step(closure) re-evaluates the model, which mode={self.mode!r} cannot do "
+                "(it applies updates later); use mode='backward'"
+            )
+        if closure is None and self._passes == 0:
+            self._open_pass()  # no synced backward this step: send what there is (maybe none)
+            self._end_pass()
+        result = None
+        if self.mode in _AVERAGED_IN_BACKWARD:
+            result = self.optimizer.step_inner(closure)
+        else:
+            self._close_step()
+        _clear(self._params)
+        self._generation += 1
+        self._passes = 0
         if self.timeline is not None:
             self.timeline.add("step", "train", started, time.perf_counter())
+        return result
 
-    def _step(self) -> None:
-        for bucket in self._buckets:
-            self._post(bucket)  # what backward did not (every mode posts the same operations)
-        _clear(self._params)  # the gradients now live in the buckets' buffers
-        if self.mode in ("blocking", "backward"):
-            self._apply_all(oldest=False)
-        elif self.mode == "double_buffer" and self._generation > 0:
-            self._apply_all(oldest=True)  # the previous step's gradients: one step stale
-        self._generation += 1  # forward mode applies each layer's update before its next forward
-
-    def _apply_all(self, oldest: bool) -> None:
-        for bucket in self._buckets:
-            self._unpack(bucket, oldest)
-        assert self._optimizer is not None
-        self._optimizer.step()
-        _clear(self._params)
+    def _close_step(self) -> None:
+        """forward, double_buffer: this step's gradients become the pending updates (forward
+        mode's carry the hyper-parameters in force now; its previous ones were all applied
+        before their buckets were sent again)."""
+        self._refuse_changed_gradients()
+        hyper = self.optimizer.snapshot() if self.mode == "forward" else None
+        previous = [b.update for b in self._buckets]
+        for b in self._buckets:
+            b.update, b.inflight = b.inflight, None
+            if b.update is not None:
+                b.update.hyper = hyper
+        if self.mode == "double_buffer":
+            _clear(self._params)
+            self._apply_all(previous)  # the previous step's gradients: one step stale
+        else:
+            assert not any(previous), "forward mode left an update unapplied"
 
     def synchronize(self) -> None:
-        """Apply every pending gradient: parameters are final (checkpoint, evaluation, end)."""
+        """Apply every pending update: parameters are final (evaluation, the end of training;
+        for a checkpoint that resumes exactly, see ``wrapper_state_dict``)."""
+        self._check_open("synchronize")
         if self.mode == "forward":
             for bucket in self._buckets:
-                self._apply_pending(bucket)
-        elif self.mode == "double_buffer" and any(b.posted for b in self._buckets):
-            self._apply_all(oldest=True)
+                self._apply_update(bucket)
+        elif self.mode == "double_buffer":
+            pending = [b.update for b in self._buckets]
+            for b in self._buckets:
+                b.update = None
+            self._apply_all(pending)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -253,43 +282,112 @@ class DataParallel(nn.Module):
         finally:
             self._sync = True
 
-    def stats(self) -> dict[str, float]:
-        """Seconds the training thread waited on communication (exposed) vs spent in it (comm)."""
-        comm = self._busy.total
-        hidden = 1.0 - self._exposed / comm if comm else 0.0
-        return {
-            "exposed_s": self._exposed,
-            "comm_s": comm,
-            "hidden_share": min(1.0, max(0.0, hidden)),
-        }
+    def stats(self, reset: bool = False) -> dict[str, float]:
+        """Seconds of communication the training thread was exposed to (``exposed_s``; in
+        blocking mode all of it), seconds any allreduce was in flight (``comm_s``), and
+        ``hidden_share``; ``reset``: start counting afresh after this call."""
+        snapshot = self._stats.snapshot()
+        if reset:
+            self._stats.reset()
+        return snapshot
 
-    # ---- buckets ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook (also done when the wrapper is garbage collected); the module can
+        then be wrapped again. Pending updates are not applied: ``synchronize()`` first."""
+        if self._closed:
+            return
+        self._closed = True
+        _remove_all(self._hooks)
+        owner = _WRAPPED.get(self.module)
+        if owner is not None and owner() is self:
+            del _WRAPPED[self.module]
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def wrapper_state_dict(self) -> dict[str, Any]:
+        """The wrapper's own state: the updates still pending (forward and double_buffer), by
+        parameter name, averaged; with ``model.state_dict()`` and
+        ``model.optimizer.state_dict()`` saved at the same point, a run resumed from the three
+        continues exactly where this one goes on. Waits for the pending allreduces."""
+        self._check_open("wrapper_state_dict")
+        pending: dict[str, torch.Tensor | None] = {}
+        hyper = None
+        for b in self._buckets:
+            if b.update is None:
+                continue
+            grads = self._gradients(b, b.update)
+            hyper = b.update.hyper if b.update.hyper is not None else hyper
+            for p, g in zip(b.params, grads, strict=True):
+                pending[self._names[id(p)]] = None if g is None else g.detach().clone()
+        return {"mode": self.mode, "pending": pending, "hyper": hyper}
+
+    def load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``wrapper_state_dict`` saved, before the first step of the resumed run."""
+        self._check_open("load_wrapper_state_dict")
+        pending: dict[str, torch.Tensor | None] = state.get("pending", {})
+        if not pending:
+            return
+        if state.get("mode") != self.mode:
+            raise UsageError(
+                f"this checkpoint holds updates still pending in mode={state.get('mode')!r}; "
+                f"they cannot be applied in mode={self.mode!r}. Call synchronize() before "
+                "saving to move a run between modes"
+            )
+        if any(b.update is not None or b.inflight is not None for b in self._buckets):
+            raise UsageError("load_wrapper_state_dict must come before the first backward")
+        unknown = set(pending) - {self._names[id(p)] for p in self._params}
+        if unknown:
+            raise UsageError(f"the checkpoint's pending updates name {sorted(unknown)}, "
+                             "which this model's trainable parameters do not")  # fmt: skip
+        for b in self._buckets:
+            names = [self._names[id(p)] for p in b.params]
+            if any(n in pending for n in names):
+                grads = [_restored(pending.get(n), p) for n, p in zip(names, b.params, strict=True)]
+                b.update = Update(None, None, grads, state.get("hyper"))
+
+    # ---- backward passes -------------------------------------------------------------------------
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._sync:
+        if not self._sync or self._closed:
             return
+        if not self._pass_open:
+            self._open_pass()
+            Variable._execution_engine.queue_callback(self._end_pass)
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params) and self.mode != "blocking":
             self._post(bucket)
 
-    def _post(self, bucket: _Bucket) -> None:
-        """Fill the bucket's buffer from the gradients (zeros, flag 0, where None) and send it."""
-        if bucket.posted_in == self._generation:
-            return  # already posted this step
-        if self.mode == "forward" and bucket.posted:
-            self._apply_pending(bucket)  # its layer did not run since: update before reuse
+    def _open_pass(self) -> None:
+        self._pass_open = True
+        self._pass += 1
+
+    def _end_pass(self) -> None:
+        """The end of a synced backward pass: every bucket not sent in it is sent now; in
+        blocking and backward modes the averages are then waited for and put in ``p.grad``."""
+        self._pass_open = False
+        self._passes += 1
+        exposed = self._stats.exposed() if self.mode == "blocking" else contextlib.nullcontext()
+        with exposed:
+            for bucket in self._buckets:
+                if bucket.posted_pass != self._pass:
+                    self._post(bucket)
+            if self.mode in _AVERAGED_IN_BACKWARD:
+                for bucket in self._buckets:
+                    update, bucket.inflight = bucket.inflight, None
+                    if update is not None:
+                        grads = self._gradients(bucket, update)
+                        for p, g in zip(bucket.params, grads, strict=True):
+                            p.grad = g
+
+    def _post(self, bucket: Bucket) -> None:
+        """Pack the bucket's gradients (zeros, flag 0, where None) and send them."""
+        if bucket.update is not None and self.mode == "forward":
+            self._apply_update(bucket)  # its layer did not run since its last step
+        if bucket.inflight is not None:  # an earlier pass of this step: superseded
+            self._gradients(bucket, bucket.inflight)  # its buffer is reused: wait for it
         flat = bucket.flat(self._generation)
-        offset, flags = 0, flat.numel() - len(bucket.params)
-        with torch.no_grad():
-            for i, p in enumerate(bucket.params):
-                piece = flat[offset : offset + p.numel()]
-                if p.grad is None:
-                    piece.zero_()
-                else:
-                    piece.copy_(p.grad.reshape(-1))
-                flat[flags + i] = 0.0 if p.grad is None else 1.0
-                offset += p.numel()
+        bucket.pack(flat)
         request: Request[Any]
         if bucket.stager is None:
             request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
@@ -298,53 +396,121 @@ class DataParallel(nn.Module):
             request = bucket.stager.iallreduce(
                 flat, host, "sum", name=bucket.name, priority=bucket.priority
             )
-        bucket.posted.append((request, flat))
-        bucket.posted_in = self._generation
+        bucket.inflight = Update(request, flat)
+        bucket.posted_pass = self._pass
         bucket.ready.clear()
 
-    def _unpack(self, bucket: _Bucket, oldest: bool = False) -> None:
-        """Wait for the bucket's allreduce and set each parameter's averaged gradient."""
-        if not bucket.posted:
-            return
-        request, flat = bucket.posted.pop(0 if oldest else -1)
-        started = time.perf_counter()
-        request.wait()  # staged: also orders this thread's current stream after the copy back
-        ended = time.perf_counter()
-        self._exposed += ended - started
-        self._busy.add(request)
-        if self.timeline is not None:
-            self.timeline.add(f"wait {bucket.name}", "train", started, ended)
-            self.timeline.add(
-                f"allreduce {bucket.name}", "comm", request.posted_at, request.completed_at or ended
-            )
-        world = self._comm.world_size
-        flags = flat.numel() - len(bucket.params)
-        used = flat[flags:].tolist()
-        offset = 0
-        with torch.no_grad():
-            if world > 1:
-                flat[:flags].div_(world)  # the average, in place: one pass, no copy
-            for p, users in zip(bucket.params, used, strict=True):
-                if users == 0.0:
-                    p.grad = None  # unused on every rank: as in single-process training
-                else:
-                    # a view of the bucket: the optimizer steps and the gradients are
-                    # cleared before the bucket is refilled (forward: _apply_pending runs
-                    # before _post reuses it; double_buffer alternates two buffers)
-                    p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+    def _refuse_changed_gradients(self) -> None:
+        for bucket in self._buckets:
+            param = bucket.changed()
+            if param is not None:
+                raise UsageError(
+                    f"the gradient of {self._names[id(param)]!r} changed after backward sent it "
+                    f"(by clip_grad_norm_, zero_grad, an assignment, ...): mode={self.mode!r} "
+                    "sends each gradient as backward produces it, so the change would be lost. "
+                    "Use mode='backward' or 'blocking', where p.grad holds the average once "
+                    "backward() returns and may be changed before step()"
+                )
 
-    def _apply_pending(self, bucket: _Bucket) -> None:
-        """forward mode: this layer is about to run; apply its pending update first."""
-        if not bucket.posted:
+    # ---- applying updates ------------------------------------------------------------------------
+
+    def _gradients(self, bucket: Bucket, update: Update) -> list[torch.Tensor | None]:
+        """The update's averaged gradients, waiting for its allreduce (timed as exposed)."""
+        request = update.request
+        if update.grads is None and request is not None:
+            with self._stats.exposed():
+                started = time.perf_counter()
+                request.wait()
+                ended = time.perf_counter()
+            self._stats.completed(request)
+            if self.timeline is not None:
+                self.timeline.add(f"wait {bucket.name}", "train", started, ended)
+                end = request.completed_at or ended
+                self.timeline.add(f"allreduce {bucket.name}", "comm", request.posted_at, end)
+        return update.gradients(bucket, self._comm.world_size)
+
+    def _apply_update(self, bucket: Bucket) -> None:
+        """forward mode: the bucket's pending update, stepped by itself with its recorded
+        hyper-parameters; ``p.grad`` is left as it was."""
+        update, bucket.update = bucket.update, None
+        if update is None:
             return
-        self._unpack(bucket)
-        assert bucket.optimizer is not None
-        bucket.optimizer.step()
-        _clear(bucket.params)
+        grads = self._gradients(bucket, update)
+        saved = [p.grad for p in bucket.params]
+        for p, g in zip(bucket.params, grads, strict=True):
+            p.grad = g
+        try:
+            self.optimizer.step_subset(bucket.params, update.hyper)
+        finally:
+            for p, g in zip(bucket.params, saved, strict=True):
+                p.grad = g
+
+    def _apply_all(self, updates: list[Update | None]) -> None:
+        """double_buffer: one optimizer step over these updates (gradients cleared before)."""
+        if not any(u is not None for u in updates):
+            return
+        for bucket, update in zip(self._buckets, updates, strict=True):
+            if update is not None:
+                for p, g in zip(bucket.params, self._gradients(bucket, update), strict=True):
+                    p.grad = g
+        self.optimizer.step_inner()
+        _clear(self._params)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{what}: this DataParallel was closed")
+
+
+class _LayerHook:
+    """forward mode's pre-hook of one layer: its pending update, just before it runs."""
+
+    def __init__(self, wrapper: weakref.ref[DataParallel], bucket: Bucket) -> None:
+        self._wrapper = wrapper
+        self._bucket = bucket
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None and self._bucket.update is not None:
+            wrapper._apply_update(self._bucket)
 
 
 # ---- helpers -----------------------------------------------------------------------------
+
+
+def _check_arguments(module: nn.Module, mode: str, optimizer: Any) -> None:
+    if mode not in MODES:
+        raise UsageError(f"mode={mode!r} is not one of {', '.join(MODES)}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            "optimizer must be a factory: lambda params: torch.optim.SGD(params, ...); the "
+            "optimizer it makes is model.optimizer"
+        )
+    if isinstance(module, DataParallel):
+        raise UsageError("this module is a DataParallel already; wrap the module inside it")
+    previous = _WRAPPED.get(module)
+    if previous is not None and previous() is not None:
+        raise UsageError(
+            "this module is wrapped by another DataParallel already, whose hooks would send "
+            "its gradients too; call close() on that one first"
+        )
+
+
+def _made(optimizer: Any) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"the optimizer factory returned {type(optimizer).__name__}, "
+            "not a torch.optim.Optimizer"
+        )
+    return optimizer
+
+
+def _restored(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    if grad.shape != param.shape:
+        raise UsageError(f"a pending update of shape {tuple(grad.shape)} for a parameter of "
+                         f"shape {tuple(param.shape)}: not this model's checkpoint")  # fmt: skip
+    return grad.to(device=param.device, dtype=param.dtype)
 
 
 def _clear(params: Iterable[nn.Parameter]) -> None:
@@ -352,40 +518,9 @@ def _clear(params: Iterable[nn.Parameter]) -> None:
         p.grad = None
 
 
-class _BusyClock:
-    """Wall time during which at least one allreduce was in flight (overlaps counted once).
-
-    Spans are merged as they come, keeping only the last few unmerged, so a long training run
-    holds a bounded list; a span that starts before everything kept is rare (it would have to
-    be waited for far out of order) and only its overlap with merged time is counted twice.
-    """
-
-    _KEEP = 64
-
-    def __init__(self) -> None:
-        self._spans: list[tuple[float, float]] = []
-        self._merged = 0.0  # time of spans folded away
-        self._reach = float("-inf")  # end of the last folded span
-
-    def add(self, request: Request[Any]) -> None:
-        self._spans.append((request.posted_at, request.completed_at or time.perf_counter()))
-        if len(self._spans) > 2 * self._KEEP:
-            self._spans.sort()
-            old, self._spans = self._spans[: -self._KEEP], self._spans[-self._KEEP :]
-            self._merged, self._reach = _union(old, self._merged, self._reach)
-
-    @property
-    def total(self) -> float:
-        return _union(sorted(self._spans), self._merged, self._reach)[0]
-
-
-def _union(spans: list[tuple[float, float]], total: float, reach: float) -> tuple[float, float]:
-    """Add the time covered by sorted ``spans`` beyond ``reach`` to ``total``."""
-    for start, end in spans:
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total, reach
+def _remove_all(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
@@ -396,88 +531,3 @@ def _next_prefix(comm: Communicator) -> str:
     index = _WRAPPERS.get(comm, 0)
     _WRAPPERS[comm] = index + 1
     return f"asyncreduce.dp{index}"
-
-
-def _checked(optimizer: Any, where: str) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(
-            f"the optimizer factory returned {type(optimizer).__name__}, "
-            "not a torch.optim.Optimizer"
-        )
-    return optimizer
-
-
-def _layer_groups(module: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-    """One group per module that owns trainable parameters directly, in registration order
-    (split by dtype and device: a bucket's buffer has one of each)."""
-    groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
-    seen: set[int] = set()
-    for sub in module.modules():
-        own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in own)
-        by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in own:
-            by_kind.setdefault(_kind(p), []).append(p)
-        groups += [(sub, ps) for ps in by_kind.values()]
-    return groups
-
-
-def _kind(p: nn.Parameter) -> tuple[torch.dtype, torch.device]:
-    return p.dtype, p.device
-
-
-def _size_groups(
-    params: list[nn.Parameter], limit: int
-) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-    """Runs of parameters in reverse registration order, up to ``limit`` bytes, one dtype and
-    one device each."""
-    groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > limit or _kind(p) != _kind(current[0])):
-            groups.append((None, current))
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        groups.append((None, current))
-    return groups
-
-
-def _check_same_everywhere(comm: Communicator, module: nn.Module) -> None:
-    """Every rank must wrap the same architecture: compare parameter names' shapes."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    count = comm.allgather(np.array([len(named)], np.int64))
-    if len(set(count.reshape(-1).tolist())) != 1:
-        raise MismatchError(
-            f"ranks wrap modules with different numbers of parameters: {count.reshape(-1).tolist()}"
-        )
-    table = np.full((len(named), _MAX_DIMS + 1), -1, np.int64)
-    for i, (_, p) in enumerate(named):
-        table[i, 0] = p.dim()
-        table[i, 1 : 1 + min(p.dim(), _MAX_DIMS)] = list(p.shape)[:_MAX_DIMS]
-    everyone = comm.allgather(table)
-    for i, (name, p) in enumerate(named):
-        for rank, theirs in enumerate(everyone):
-            if not np.array_equal(theirs[i], table[i]):
-                shape = tuple(int(d) for d in theirs[i, 1 : 1 + theirs[i, 0]])
-                raise MismatchError(
-                    f"parameter {name!r} has shape {tuple(p.shape)} on rank {comm.rank} but "
-                    f"{shape} on rank {rank}: every rank must wrap the same model"
-                )
-
-
-def _broadcast_from_rank0(comm: Communicator, params: list[nn.Parameter]) -> None:
-    """Rank 0's initial values everywhere (once, blocking: device parameters via a host copy)."""
-    with torch.no_grad():
-        hosts = [p.data if p.device.type == "cpu" else p.detach().cpu() for p in params]
-        requests = [
-            comm.ibroadcast(h, root=0, name=f"asyncreduce.dp.init{i}") for i, h in enumerate(hosts)
-        ]
-        for r in requests:
-            r.wait()
-        for p, h in zip(params, hosts, strict=True):
-            if p.device.type != "cpu":
-                p.copy_(h)

@@ -1,0 +1,166 @@
+"""Buckets: parameters whose gradients travel together in one flat buffer.
+
+Theory of operation. A bucket's buffer holds its parameters' gradients one after another,
+followed by one "used" flag per parameter. ``pack`` fills it from ``p.grad`` (zeros and flag 0
+where a rank has no gradient), the allreduce sums it over ranks, and ``unpack`` divides the
+gradients by the world size in place and hands out views of them: ``None`` where the flags
+add to 0 (no rank had a gradient, so the optimizer leaves that parameter alone, as in
+single-process training), the average otherwise (ranks without one contributed zeros).
+
+Grouping: one bucket per module that owns trainable parameters directly (``layer_groups``,
+forward mode, whose unit of overlap is the layer), or runs of parameters in reverse
+registration order, the order backward produces them, up to a byte limit (``size_groups``).
+A bucket holds one device and one dtype.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..request import Request
+from .optimizer import Hyper
+from .staging import Stager
+
+__all__ = ["Bucket", "Update", "layer_groups", "size_groups"]
+
+Group = tuple[nn.Module | None, list[nn.Parameter]]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel together, and where their allreduce stands."""
+
+    name: str
+    params: list[nn.Parameter]
+    priority: int
+    buffers: list[torch.Tensor]  # two in double_buffer mode, else one
+    module: nn.Module | None = None  # forward mode: the layer that owns the parameters
+    stager: Stager | None = None  # None: the buffers are on the CPU and reduced in place
+    hosts: list[torch.Tensor] = field(default_factory=list)  # with a stager: one per buffer
+    ready: set[int] = field(default_factory=set)  # params whose gradient is complete this pass
+    posted_pass: int = -1  # the backward pass this bucket was last posted in
+    inflight: Update | None = None  # this step's latest post, not yet handed to the optimizer
+    update: Update | None = None  # forward, double_buffer: a finished step's, not yet applied
+    sent: list[tuple[Any, int]] = field(default_factory=list)  # (grad ref, version) at the post
+
+    def flat(self, generation: int) -> torch.Tensor:
+        return self.buffers[generation % len(self.buffers)]
+
+    def host(self, generation: int) -> torch.Tensor:
+        return self.hosts[generation % len(self.hosts)]
+
+    def pack(self, flat: torch.Tensor) -> None:
+        """Gradients and used-flags into ``flat``; remember what was sent (see ``changed``)."""
+        offset, flags = 0, flat.numel() - len(self.params)
+        sent: list[tuple[Any, int]] = []
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                piece = flat[offset : offset + p.numel()]
+                grad = p.grad
+                if grad is None:
+                    piece.zero_()
+                    sent.append((None, -1))
+                else:
+                    if grad.data_ptr() != piece.data_ptr():  # a view of this very piece: as is
+                        piece.copy_(grad.reshape(-1))
+                    sent.append((weakref.ref(grad), grad._version))
+                flat[flags + i] = 0.0 if grad is None else 1.0
+                offset += p.numel()
+        self.sent = sent
+
+    def changed(self) -> nn.Parameter | None:
+        """The first parameter whose ``.grad`` was replaced or modified since it was packed."""
+        for p, (ref, version) in zip(self.params, self.sent, strict=False):
+            if ref is None:
+                if p.grad is not None:
+                    return p
+            elif ref() is not p.grad or p.grad is None or p.grad._version != version:
+                return p
+        return None
+
+
+class Update:
+    """One step's summed gradients of a bucket: posted (a request on ``flat``), or restored
+    from a checkpoint (``grads`` already known); ``hyper``: forward mode's recorded
+    hyper-parameters for them."""
+
+    def __init__(
+        self,
+        request: Request[Any] | None,
+        flat: torch.Tensor | None,
+        grads: list[torch.Tensor | None] | None = None,
+        hyper: Hyper | None = None,
+    ) -> None:
+        self.request = request
+        self.flat = flat
+        self.grads = grads
+        self.hyper = hyper
+
+    def gradients(self, bucket: Bucket, world: int) -> list[torch.Tensor | None]:
+        """The averaged gradients (views of the buffer), once the allreduce is done: call
+        ``wait`` first where waiting is timed."""
+        if self.grads is None:
+            assert self.request is not None and self.flat is not None
+            self.request.wait()  # staged: also orders this thread's stream after the copy back
+            self.grads = unpack(bucket.params, self.flat, world)
+        return self.grads
+
+
+def unpack(
+    params: list[nn.Parameter], flat: torch.Tensor, world: int
+) -> list[torch.Tensor | None]:
+    """The average of each parameter's gradient in ``flat`` (the sum), or None if no rank had
+    one; divided in place, so the results are views of ``flat``."""
+    flags = flat.numel() - len(params)
+    used = flat[flags:].tolist()
+    grads: list[torch.Tensor | None] = []
+    offset = 0
+    with torch.no_grad():
+        if world > 1:
+            flat[:flags].div_(world)  # the average, in place: one pass, no copy
+        for p, users in zip(params, used, strict=True):
+            grads.append(None if users == 0.0 else flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return grads
+
+
+def layer_groups(module: nn.Module) -> list[Group]:
+    """One group per module that owns trainable parameters directly, in registration order
+    (split by dtype and device: a bucket's buffer has one of each)."""
+    groups: list[Group] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in own:
+            by_kind.setdefault(_kind(p), []).append(p)
+        groups += [(sub, ps) for ps in by_kind.values()]
+    return groups
+
+
+def size_groups(params: list[nn.Parameter], limit: int) -> list[Group]:
+    """Runs of parameters in reverse registration order, up to ``limit`` bytes, one dtype and
+    one device each."""
+    groups: list[Group] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > limit or _kind(p) != _kind(current[0])):
+            groups.append((None, current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        groups.append((None, current))
+    return groups
+
+
+def _kind(p: nn.Parameter) -> tuple[torch.dtype, torch.device]:
+    return p.dtype, p.device

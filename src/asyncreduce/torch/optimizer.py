@@ -1,0 +1,147 @@
+"""The one public optimizer of a ``DataParallel``, in every mode.
+
+Theory of operation. The user's factory makes one torch optimizer over all of the module's
+parameters (``inner``), exactly the optimizer a DDP script builds over ``ddp.parameters()``, so
+its ``state_dict()`` has that layout and checkpoints move between our modes and to and from
+plain DDP. ``DataParallelOptimizer`` stands in front of it:
+
+* ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's, so torch's LR
+  schedulers drive it like any other (they check ``isinstance(opt, torch.optim.Optimizer)``,
+  read and write ``param_groups`` and wrap ``opt.step`` to see that it is called).
+* ``step()`` is the wrapper's ``step()``: what the mode says, then the gradients are cleared.
+  Calling either one is the same; a scheduler stepped after it sees the call.
+* ``step_subset`` lets forward mode update one layer at a time with the same inner optimizer:
+  each group's ``params`` is narrowed to that layer's parameters for one inner ``step()`` and
+  restored (optimizer state is kept per parameter, so a subset step is the whole step of those
+  parameters), with the hyper-parameters (lr, momentum, ...) in effect when the user called
+  ``step()`` for those gradients, recorded by ``snapshot()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ClosedError, UsageError
+
+__all__ = ["DataParallelOptimizer", "Hyper"]
+
+Hyper = list[dict[str, Any]]  # per param group: every entry but "params", as step() saw it
+
+
+class DataParallelOptimizer(torch.optim.Optimizer):
+    """``model.optimizer``: the inner optimizer's groups and state, the wrapper's ``step``."""
+
+    def __init__(
+        self, inner: torch.optim.Optimizer, step: weakref.WeakMethod[Callable[[Any], Any]]
+    ) -> None:
+        # Optimizer.__init__ is not called on purpose: groups, state and hooks are the inner
+        # optimizer's, looked up on it every time (load_state_dict replaces its groups). The
+        # wrapper's step is held weakly, so the wrapper is freed (and unhooked) once dropped.
+        self._inner = inner
+        self._wrapper_step = step
+        self._plans: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer the factory made (step it only through this object)."""
+        return self._inner
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self._inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._inner.state = state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self._inner.defaults = defaults
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """The wrapper's ``step()`` (see ``DataParallel.step``)."""
+        step = self._wrapper_step()
+        if step is None:
+            raise ClosedError("step: the DataParallel of this optimizer is gone")
+        return step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise UsageError(
+            "add_param_group on a DataParallel's optimizer: its parameters are fixed when the "
+            "model is wrapped; build the groups in the optimizer factory instead"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # hooks and anything else torch's Optimizer offers: the inner optimizer's
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"DataParallelOptimizer({self._inner!r})"
+
+    # ---- for the wrapper -------------------------------------------------------------------
+
+    def snapshot(self) -> Hyper:
+        """Every group's hyper-parameters now (tensors copied: schedulers fill them in place)."""
+        return [
+            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
+             if k != "params"}
+            for g in self._inner.param_groups
+        ]  # fmt: skip
+
+    def step_inner(self, closure: Callable[[], float] | None = None) -> Any:
+        """One step of the inner optimizer over every parameter that has a gradient."""
+        return self._inner.step(closure) if closure is not None else self._inner.step()
+
+    def step_subset(self, params: Sequence[torch.Tensor], hyper: Hyper | None) -> None:
+        """Step only ``params`` (with ``hyper`` in force, if given); the groups are restored."""
+        groups = self._inner.param_groups
+        subsets = self._plan(params)
+        saved = [(g["params"], {k: g[k] for k in h} if hyper else {}) for g, h in
+                 zip(groups, hyper or [{}] * len(groups), strict=True)]  # fmt: skip
+        try:
+            for g, subset, h in zip(groups, subsets, hyper or [{}] * len(groups), strict=True):
+                g["params"] = subset
+                g.update(h)
+            self._inner.step()
+        finally:
+            for g, (members, values) in zip(groups, saved, strict=True):
+                g["params"] = members
+                g.update(values)
+
+    def _plan(self, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per group, the members of ``params`` in it (cached per layer and group lists)."""
+        groups = self._inner.param_groups
+        key = (id(params), *(id(g["params"]) for g in groups))
+        plan = self._plans.get(key)
+        if plan is None:
+            wanted = {id(p) for p in params}
+            plan = [[p for p in g["params"] if id(p) in wanted] for g in groups]
+            self._plans[key] = plan
+        return plan

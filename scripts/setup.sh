@@ -24,5 +24,8 @@ extras="dev,torch,plot"
 if [ "$want_mpi" = 1 ] && command -v mpirun >/dev/null 2>&1; then
   extras="$extras,mpi"
 fi
-echo "== installing asyncreduce[$extras] into .venv (torch==2.13.0 is the CPU build)"
+echo "== installing asyncreduce[$extras] into .venv, with torch==2.13.0 (the CPU build)"
+# first the CPU build, which the [torch] extra's range then accepts as it is (left to itself,
+# pip would take the newest release in the range: a CUDA build of several GB)
+.venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[$extras]"

@@ -64,11 +64,14 @@ def run_ranks(
     ranks: range | None = None,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
+    daemon: bool = True,
 ) -> dict[int, Any]:
     """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}.
 
     ``env`` is set in every rank before it joins (e.g. ASYNCREDUCE_SHM=0 for TCP only), then
-    ``rank_env[rank]`` in that rank only."""
+    ``rank_env[rank]`` in that rank only. ``daemon=False`` lets ranks start processes of
+    their own (multiprocessing refuses that to daemons); they are killed at the deadline
+    either way."""
     port = free_port()
     out = _CTX.Queue()
     started = ranks if ranks is not None else range(n)
@@ -76,7 +79,7 @@ def run_ranks(
         r: _CTX.Process(
             target=_rank_main,
             args=(r, n, port, body, args, out, {**(env or {}), **(rank_env or {}).get(r, {})}),
-            daemon=True,
+            daemon=daemon,
         )
         for r in started
     }

@@ -62,7 +62,9 @@ def _record(path: str, size: int, ident: int) -> Array:
     if len(encoded) > RECORD_BYTES - _HEAD:
         raise WindowError(f"shared-memory path too long: {path!r}")
     head = size.to_bytes(8, "little") + ident.to_bytes(8, "little")
-    return np.frombuffer(head + encoded.ljust(RECORD_BYTES - _HEAD, b"\0"), np.uint8).copy()
+    record: Array = np.frombuffer(head + encoded.ljust(RECORD_BYTES - _HEAD, b"\0"), np.uint8)
+    owned: Array = record.copy()
+    return owned
 
 
 def _parse(record: Array) -> tuple[str, int, int]:

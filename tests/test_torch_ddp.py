@@ -571,7 +571,38 @@ def probe_buffers(comm: ar.Communicator) -> dict[str, Any]:
     return out
 
 
+class Functional(nn.Module):
+    """Uses its child's weight directly on odd steps, without running the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.direct = False
+
+    def forward(self, x: Any) -> Any:
+        return F.linear(x, self.fc.weight, self.fc.bias) if self.direct else self.fc(x)
+
+
+def probe_stale_use(comm: ar.Communicator) -> dict[str, Any]:
+    """forward mode applies fc's update in fc's pre-hook; a forward that uses fc's weight
+    without running fc would use it stale: that must be an error, not a silent difference."""
+    module = Functional().double()
+    model = art.DataParallel(module, comm, optimizer=make_optimizer("sgd"), mode="forward")
+    x = torch.ones(2, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    model.step()
+    module.direct = True
+    try:
+        model(x).sum().backward()
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    finally:
+        model.close()
+
+
 PROBES: dict[str, Callable[[ar.Communicator], dict[str, Any]]] = {
+    "stale_use": probe_stale_use,
     "buffers": probe_buffers,
     "fork": probe_fork,
     "version": probe_version_counter,
@@ -637,6 +668,15 @@ def test_buffers_are_rank0s_before_each_forward_unless_told_not_to(world: int) -
     for when, everyone in zip(("at construction", "as a forward starts"), report["False"],
                               strict=True):  # fmt: skip
         assert not np.array_equal(everyone[0], everyone[1]), f"not broadcast, {when}"
+
+
+@pytest.mark.timeout(180)
+@WORLDS
+def test_forward_mode_refuses_a_parameter_used_before_its_update(world: int) -> None:
+    for report in probed(world, "stale_use"):
+        raised = report["raised"]
+        assert raised is not None and "UsageError" in raised, report
+        assert "'fc." in raised and "mode='backward'" in raised, raised
 
 
 @pytest.mark.timeout(180)

@@ -103,14 +103,14 @@ class DataParallel(nn.Module):
         self._forward_end = 0.0
         self._stats = CommStats()
         self._closed = False
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in named]
-        self._names = {id(p): n for n, p in module.named_parameters()}
+        named = list(module.named_parameters())  # frozen ones too: DDP syncs those as well
+        self._params = [p for _, p in named if p.requires_grad]
+        self._names = {id(p): n for n, p in named}
         for device in {p.device for p in self._params}:
             stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         check_same_everywhere(comm, named, "parameter")
-        broadcast_parameters(comm, self._params, self._prefix)
+        broadcast_parameters(comm, [p for _, p in named], self._prefix)
         self._buffer_sync = BufferSync(comm, module, self._prefix, broadcast_buffers)
         if broadcast_buffers:
             check_same_everywhere(comm, list(module.named_buffers()), "buffer")
@@ -354,6 +354,14 @@ class DataParallel(nn.Module):
             self._open_pass()
             Variable._execution_engine.queue_callback(self._end_pass)
         bucket = self._bucket_of[id(param)]
+        if bucket.update is not None and self.mode == "forward":
+            raise UsageError(
+                f"{self._names[id(param)]!r} was used in this forward while the update of its "
+                "last step was still pending: mode='forward' applies a layer's update just "
+                "before that layer (the module that owns the parameter) runs, and it did not "
+                "run before this use. Use the parameter only inside its own module's forward, "
+                "or use mode='backward'"
+            )
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params) and self.mode != "blocking":
             self._post(bucket)

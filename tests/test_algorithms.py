@@ -56,8 +56,8 @@ from asyncreduce.algorithms import (
     segments,
     split,
 )
+from asyncreduce.bootstrap import _unreadable
 from asyncreduce.cma import CrossMemory
-from asyncreduce.comm import _unreadable
 
 DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 COUNTS = [0, 1, 13, 1009]

@@ -48,7 +48,7 @@ def test_each_communicator_says_once_who_it_is_and_which_data_plane_it_took(
     tmp_path: Path,
 ) -> None:
     lines = run_job(tmp_path)
-    joined = [line for line in lines if "joined (launcher: asyncreduce run)" in line]
+    joined = [line for line in lines if "joined (launcher: asyncreduce run;" in line]
     assert sorted(line[:3] for line in joined) == ["[0]", "[1]", "[2]"], "\n".join(lines)
     rank1 = next(line for line in joined if line.startswith("[1]"))
     assert "INFO" in rank1 and "rank 1 of 3" in rank1, rank1
@@ -86,10 +86,11 @@ def body_timeline(comm: ar.Communicator) -> list[tuple[float, float]]:
 
 @pytest.mark.timeout(90)
 def test_timelines_of_all_ranks_share_one_clock() -> None:
-    """A barrier ends on every rank after the last rank entered it: on a shared clock the
-    ranks' spans of it all overlap. Timelines counting from their own creation would be
-    0.3 s apart per rank."""
+    """The ranks leave a barrier together (within a message latency, milliseconds on a loaded
+    2-core machine), so on a shared clock its ends line up; timelines counting from their own
+    creation would put them 0.3 s apart per rank."""
     spans = [v[0] for v in run_ranks(3, body_timeline).values()]
+    ends = [end for _, end in spans]
+    assert max(ends) - min(ends) < 50_000, spans  # microseconds
     latest_start = max(start for start, _ in spans)
-    earliest_end = min(end for _, end in spans)
-    assert latest_start <= earliest_end, spans
+    assert latest_start <= min(ends), spans

@@ -783,3 +783,156 @@ def test_bad_optimizer_arguments_are_usage_errors() -> None:
                 model.step(lambda: 0.0)
             finally:
                 model.close()
+
+
+def _losses(model: Any, inputs: Any, steps: int = 4) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(inputs).pow(2).mean()
+        loss.backward()
+        model.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _forward_against_backward(build: Callable[[], nn.Module], inputs: Any) -> None:
+    """forward mode must train exactly as backward mode does (one rank: the schedule of
+    updates alone is being checked)."""
+    with alone() as comm:
+        runs = {}
+        for mode in ("backward", "forward"):
+            torch.manual_seed(0)
+            model = art.DataParallel(build(), comm, mode=mode,
+                                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))  # fmt: skip
+            runs[mode] = _losses(model, inputs)
+            model.synchronize()
+            runs[mode + "-params"] = [p.detach().clone() for p in model.module.parameters()]
+            model.close()
+        assert runs["forward"] == runs["backward"]
+        for a, b in zip(runs["forward-params"], runs["backward-params"], strict=True):
+            assert torch.equal(a, b)
+
+
+class HeadFirstTiedLM(nn.Module):
+    """The output projection registered before the embedding that shares its weight, so the
+    weight's owner (head) runs after the embedding used it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 11)
+        self.embed = nn.Embedding(11, 6)
+        self.embed.weight = self.head.weight
+
+    def forward(self, x: Any) -> Any:
+        return self.head(torch.tanh(self.embed(x)))
+
+
+def test_forward_mode_updates_a_tied_weight_before_its_first_use() -> None:
+    _forward_against_backward(HeadFirstTiedLM, torch.arange(8).reshape(2, 4) % 11)
+
+
+def test_forward_mode_trains_a_transformer_whose_out_proj_never_runs_itself() -> None:
+    def build() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    inputs = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    _forward_against_backward(build, inputs)
+
+
+def test_forward_mode_runs_before_weight_norms_own_pre_hook() -> None:
+    def build() -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the old-style weight_norm is deprecated
+            return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(3, 3)), nn.Linear(3, 1))
+
+    _forward_against_backward(build, torch.ones(2, 3))
+
+
+def test_grad_scaler_fused_or_not_steps_as_it_would_unwrapped() -> None:
+    """GradScaler's fused path hands the scale and the inf flag to the optimizer's step."""
+    with alone() as comm:
+        for fused in (False, True):
+            for inf in (False, True):
+                got = []
+                for wrapped in (False, True):
+                    torch.manual_seed(0)
+                    module = nn.Linear(3, 1).double()
+                    factory = lambda ps, f=fused: torch.optim.SGD(ps, lr=0.1, fused=f)  # noqa: E731
+                    if wrapped:
+                        model = art.DataParallel(module, comm, optimizer=factory, mode="backward")
+                        opt = model.optimizer
+                    else:
+                        model, opt = module, factory(list(module.parameters()))
+                    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+                    loss = model(torch.ones(2, 3, dtype=torch.float64)).sum()
+                    scaler.scale(loss * (float("inf") if inf else 1.0)).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    got.append((module.weight.detach().clone(), scaler.get_scale()))
+                    if wrapped:
+                        model.close()
+                assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1], (fused, inf)
+        fused_sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True)  # noqa: E731
+        model = art.DataParallel(nn.Linear(2, 2), comm, mode="forward", optimizer=fused_sgd)
+        assert not model.optimizer._step_supports_amp_scaling  # applied later: no fused path
+        model.close()
+
+
+def test_a_backward_that_raised_leaves_nothing_behind() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 1)
+
+        def forward(self, x: Any, fail: bool = False) -> Any:
+            y = x * 2
+            if fail:
+                y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+            h = self.a(y)
+            return h.sum(1, keepdim=True) if fail else self.b(h)
+
+    with alone() as comm:
+        torch.manual_seed(0)
+        net = Net()
+        plain = Net()
+        plain.load_state_dict(net.state_dict())
+        model = art.DataParallel(net, comm, mode="backward",
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))  # fmt: skip
+        x = torch.ones(2, 3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x, fail=True).sum().backward()  # a's gradients accumulated, then it raised
+        model.optimizer.zero_grad()
+        model(x).sum().backward()
+        plain(x).sum().backward()
+        for (name, p), q in zip(net.named_parameters(), plain.parameters(), strict=True):
+            assert p.grad is not None and torch.equal(p.grad, q.grad), name
+        model.close()
+
+
+@pytest.mark.parametrize("mode", ["forward", "double_buffer"])
+@pytest.mark.parametrize(
+    "change", ["clip_grad_norm_", "clip_grad_value_", "grad.mul_", "grad.data.mul_", "zero_grad"]
+)
+def test_every_change_to_a_sent_gradient_is_refused(mode: str, change: str) -> None:
+    with alone() as comm:
+        module = BNNet().double()
+        model = art.DataParallel(module, comm, optimizer=make_optimizer("sgd"), mode=mode)
+        x, y = batch(1, 0, 0)
+        F.cross_entropy(model(x), y).backward()
+        grads = [p.grad for p in module.parameters()]
+        if change == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1e-3)
+        elif change == "clip_grad_value_":
+            torch.nn.utils.clip_grad_value_(module.parameters(), 1e-4)
+        elif change == "grad.mul_":
+            with torch.no_grad():
+                grads[0].mul_(0.5)
+        elif change == "grad.data.mul_":  # moves no version counter
+            grads[-1].data.mul_(0.5)
+        else:
+            model.optimizer.zero_grad()
+        with pytest.raises(ar.UsageError, match="changed after backward sent it"):
+            model.step()
+        model.close()

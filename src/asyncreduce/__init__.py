@@ -7,7 +7,8 @@ with ar.init() as comm:                # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
     req.wait()                         # x now holds the sum over all ranks
 """
 
-from .comm import Communicator, init
+from .bootstrap import init
+from .comm import Communicator
 from .errors import (
     AsyncReduceError,
     AuthenticationError,

@@ -17,8 +17,6 @@ import atexit
 import logging
 import operator
 import os
-import socket
-import struct
 import threading
 import time
 import weakref
@@ -29,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cma, forks
+from . import forks
 from .algorithms import (
     CROSS_MEMORY,
     CROSS_MEMORY_BYTES,
@@ -43,20 +41,18 @@ from .algorithms import (
 )
 from .buffers import Buffer, as_buffer
 from .cma import CrossMemory
-from .engine import Engine, Operation, Settings
+from .engine import Engine, Operation
 from .errors import BrokenError, ClosedError, UsageError
-from .rendezvous import Store, gather, store_from_env_or_args
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
-from .transport.shm import Arena, create_arena, host_identity, open_arena
-from .transport.tcp import TcpTransport, connect_mesh
 from .window import WindowError, Windows
 
-__all__ = ["Communicator", "init"]
+__all__ = ["Communicator"]
 
 log = logging.getLogger("asyncreduce.comm")
 log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked for:
-log_ops.setLevel(logging.INFO)  # off even under logging.basicConfig(level=DEBUG)
+if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=DEBUG),
+    log_ops.setLevel(logging.INFO)  # unless the program set this logger's level first
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -70,7 +66,10 @@ def _close_forgotten() -> None:
 
 
 class Communicator:
-    """A group of ``world_size`` ranks that run collectives together (see ``init``)."""
+    """A group of ``world_size`` ranks that run collectives together (see ``init``).
+
+    ``local_rank`` and ``local_world_size``: this rank's place among the ranks on its host
+    (from the launcher, or counted at init), e.g. to pick a GPU."""
 
     def __init__(
         self,
@@ -79,9 +78,11 @@ class Communicator:
         engine: Engine | None,
         one_host: bool = False,
         cross: CrossMemory | None = None,
+        local: tuple[int, int] = (0, 1),
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.local_rank, self.local_world_size = local  # among the ranks on this host
         self._engine = engine
         self._one_host = one_host and engine is not None  # every peer shares memory with us
         self._cross = cross if self._one_host else None  # ordinary buffers read in place too
@@ -378,284 +379,3 @@ def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[
     if any(d < 0 for d in dims):
         raise UsageError(f"shape must be non-negative, got {dims}")
     return dims, kind
-
-
-# ---- building a communicator -----------------------------------------------------------------
-
-
-def _remaining(deadline: float) -> float:
-    """Seconds left until ``deadline`` (monotonic), never quite zero: a timeout to pass on."""
-    return max(0.001, deadline - time.monotonic())
-
-
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        if os.environ.get(n):
-            try:
-                return int(os.environ[n])
-            except ValueError:
-                raise UsageError(
-                    f"environment variable {n}={os.environ[n]!r} is not an integer"
-                ) from None
-    return None
-
-
-def _mpirun_default(addr: str | None, port: int | None) -> tuple[str | None, int | None]:
-    """Under mpirun on one host, a store address every rank of the job derives alike."""
-    size, local_size = _env_int("OMPI_COMM_WORLD_SIZE"), _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
-    job = os.environ.get("OMPI_MCA_ess_base_jobid", "")  # noqa: SIM112 (Open MPI's spelling)
-    if size is None or size != local_size or not job.isdigit():
-        return addr, port
-    # below Linux's ephemeral range (32768 and up), where no connection of ours can hold it
-    return addr or "127.0.0.1", port if port is not None else 12000 + int(job) % 20000
-
-
-def _local_address(master_addr: str) -> str:
-    """The address of this host on the route to the master (no packet is sent)."""
-    override = os.environ.get("ASYNCREDUCE_ADDR")
-    if override:
-        return override
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((master_addr, 9))
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
-def _share_memory(
-    store: Store, rank: int, world_size: int, deadline: float
-) -> tuple[dict[int, tuple[Arena, Arena]], dict[int, str]]:
-    """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)},
-    and for every other peer why it is TCP only.
-
-    Arena files are unlinked once every rank has mapped its arenas, so nothing is left behind
-    however the job ends. ASYNCREDUCE_SHM=0 on any rank keeps that rank on TCP only (its
-    identity then matches nobody's, so both sides of each pair agree).
-    """
-    enabled = os.environ.get("ASYNCREDUCE_SHM", "1") != "0"
-    me = host_identity() if enabled else f"tcp-only-{rank}-{os.getpid()}"
-    remaining = _remaining(deadline)
-    idents = gather(store, "asyncreduce/host", rank, world_size, me.encode(), remaining)
-    local = [p for p in range(world_size) if p != rank and idents[p] == me.encode()]
-    tcp_only = {
-        p: "ASYNCREDUCE_SHM=0 here" if not enabled
-        else f"ASYNCREDUCE_SHM=0 on rank {p}" if idents[p].startswith(b"tcp-only-")
-        else "another host"
-        for p in range(world_size) if p != rank and p not in local
-    }  # fmt: skip
-    outgoing: dict[int, tuple[str, Arena]] = {}
-    arenas: dict[int, tuple[Arena, Arena]] = {}
-    try:
-        for peer in local:
-            outgoing[peer] = create_arena()
-            store.set(f"asyncreduce/shm/{rank}/{peer}", outgoing[peer][0].encode())
-        for peer in local:
-            wait = _remaining(deadline)
-            theirs = store.get(f"asyncreduce/shm/{peer}/{rank}", wait).decode()
-            arenas[peer] = (outgoing[peer][1], open_arena(theirs))
-        gather(
-            store,
-            "asyncreduce/shm-mapped",
-            rank,
-            world_size,
-            b"",
-            _remaining(deadline),
-        )
-    except BaseException:
-        for _, arena in outgoing.values():
-            arena.close()
-        for _, incoming in arenas.values():
-            incoming.close()
-        raise
-    finally:
-        for path, _ in outgoing.values():
-            os.unlink(path)
-    return arenas, tcp_only
-
-
-_CHALLENGE = 16  # bytes of the random challenge each rank sends each other rank
-
-
-def _cross_memory(
-    store: Store, rank: int, world_size: int, deadline: float
-) -> tuple[CrossMemory | None, str]:
-    """Cross-memory attach with every peer (all on this host), if every rank can read every
-    other's memory (see cma.py): each rank sends each other a random challenge through the
-    store, keeps those it was sent in its own memory and says where, and reads its own back
-    from every peer's pid. ASYNCREDUCE_CMA=0 on any rank turns it off for all; a rank that
-    could not read logs why, once. Returns the reader (None: off) and why it is off."""
-    wanted = os.environ.get("ASYNCREDUCE_CMA", "1") != "0" and cma.available()
-    mine = [os.urandom(_CHALLENGE) for _ in range(world_size)]  # mine[p]: what p must hold
-    record = struct.pack("<Q", os.getpid()) + b"".join(mine) if wanted else b""
-    records = gather(store, "asyncreduce/cma", rank, world_size, record, _remaining(deadline))
-    sizes_ok = all(len(r) == 8 + _CHALLENGE * world_size for r in records)
-    held = np.frombuffer(  # the challenges sent to this rank, in rank order, kept alive below
-        b"".join(r[8 + _CHALLENGE * rank :][:_CHALLENGE] for r in records) if sizes_ok else b"",
-        np.uint8,
-    ).copy()
-    where = struct.pack("<Q", held.ctypes.data) if sizes_ok else b""
-    places = gather(store, "asyncreduce/cma-at", rank, world_size, where, _remaining(deadline))
-    pids = {p: struct.unpack("<Q", r[:8])[0] for p, r in enumerate(records) if sizes_ok}
-    why = _unreadable(rank, pids, places, mine) if wanted and sizes_ok else "not every rank can"
-    verdict = b"" if why else b"1"
-    verdicts = gather(store, "asyncreduce/cma-ok", rank, world_size, verdict, _remaining(deadline))
-    del held  # every rank has read it
-    if why and wanted:
-        log.info(
-            "rank %d: cross-memory attach is off (%s); large allreduces of ordinary buffers "
-            "take the ring through the arenas. Yama ptrace_scope 0 or CAP_SYS_PTRACE would "
-            "allow it; ASYNCREDUCE_CMA=0 turns it off without trying", rank, why,
-        )  # fmt: skip
-    if not all(verdicts):
-        return None, why or "another rank cannot read" if wanted else "ASYNCREDUCE_CMA=0"
-    return CrossMemory({p: pid for p, pid in pids.items() if p != rank}), ""
-
-
-def _unreadable(
-    rank: int, pids: dict[int, int], places: list[bytes], mine: list[bytes]
-) -> str | None:
-    """Why this rank cannot read some peer's challenge back from its pid, or None."""
-    if len(set(pids.values())) != len(pids):
-        return "two ranks announced the same process"
-    for peer, pid in pids.items():
-        if peer == rank:
-            continue
-        if not cma.owned_by_me(pid) or len(places[peer]) != 8:
-            return f"rank {peer} announced process {pid}, not another process of this user"
-        address = struct.unpack("<Q", places[peer])[0] + _CHALLENGE * rank
-        failure = cma.probe(pid, address, mine[peer])
-        if failure is not None:
-            return f"reading rank {peer} (process {pid}): {failure}"
-    return None
-
-
-def _leave_store(store: Store, rank: int, world_size: int, deadline: float) -> None:
-    """Rank 0 serves the store: it closes it only once every other rank is done with it."""
-    if rank != 0:
-        store.set(f"asyncreduce/left/{rank}", b"")
-        return
-    for peer in range(1, world_size):
-        store.get(f"asyncreduce/left/{peer}", _remaining(deadline))
-
-
-def init(
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    *,
-    init_method: str | None = None,
-    timeout: float = 30.0,
-) -> Communicator:
-    """Join the job and connect to every other rank.
-
-    Anything not given is read from the environment: RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT (torchrun, ``asyncreduce run``), or OMPI_COMM_WORLD_RANK/SIZE and PMI_RANK/SIZE
-    under mpirun (on one host, mpirun needs no MASTER_ADDR/MASTER_PORT: they derive from the
-    job id; across hosts pass them with ``mpirun -x``). ``init_method`` may be
-    ``tcp://host:port`` or ``file:///shared/dir``.
-    Raises TimeoutError naming the ranks that did not join within ``timeout`` seconds.
-    """
-    launcher = "arguments" if rank is not None and world_size is not None else _launcher()
-    rank = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    world_size = (
-        world_size
-        if world_size is not None
-        else _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    )
-    if rank is None or world_size is None:
-        raise UsageError(
-            "rank and world_size are unknown: pass them, or set RANK and WORLD_SIZE "
-            "(as torchrun and asyncreduce run do)"
-        )
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} is not within a world of size {world_size}")
-    if world_size == 1:
-        return Communicator(0, 1, None)
-    settings = Settings.from_env()  # a bad value fails here, before anyone waits for us
-    master_addr = master_addr or os.environ.get("MASTER_ADDR")
-    master_port = master_port if master_port is not None else _env_int("MASTER_PORT")
-    if init_method is None and (master_addr is None or master_port is None):
-        master_addr, master_port = _mpirun_default(master_addr, master_port)
-    deadline = time.monotonic() + timeout
-    store = store_from_env_or_args(rank, world_size, master_addr, master_port, init_method, timeout)
-    try:
-        host = _local_address(master_addr or "127.0.0.1")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-            listener.bind((host, 0))
-            listener.listen(world_size)
-            if rank == 0:
-                store.set("asyncreduce/token", os.urandom(16))
-            token = store.get("asyncreduce/token", _remaining(deadline))
-            me = f"{host}:{listener.getsockname()[1]}".encode()
-            # rank 0 serves the store: it waits a little longer, so the others time out on their
-            # own (naming who is missing) instead of seeing the store vanish
-            wait = _remaining(deadline) + (0.5 if rank == 0 else 0.0)
-            found = gather(store, "asyncreduce/addr", rank, world_size, me, wait)
-            addresses = [
-                (a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in found
-            ]
-            socks = connect_mesh(rank, world_size, listener, addresses, token, deadline)
-            arenas, tcp_only = _share_memory(store, rank, world_size, deadline)
-            one_host = len(arenas) == world_size - 1
-            cross, no_cross = (
-                _cross_memory(store, rank, world_size, deadline)
-                if one_host
-                else (None, "not every rank is on this host")
-            )
-            _leave_store(store, rank, world_size, deadline)
-    finally:
-        store.close()
-    engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
-    comm = Communicator(rank, world_size, engine, one_host, cross)
-    comm._clock_origin = _shared_clock_origin(comm, one_host, _remaining(deadline))
-    log.info("%s", _describe(comm, launcher, sorted(arenas), tcp_only, one_host, no_cross))
-    return comm
-
-
-def _launcher() -> str:
-    """Which launcher started this process, from the variables only it sets."""
-    env = os.environ
-    for marker, name in (
-        ("TORCHELASTIC_RUN_ID", "torchrun"),
-        ("ASYNCREDUCE_RUN", "asyncreduce run"),
-        ("SLURM_PROCID", "srun"),
-        ("OMPI_COMM_WORLD_RANK", "mpirun (Open MPI)"),
-        ("PMI_RANK", "mpirun (PMI)"),
-    ):
-        if marker in env:
-            return name
-    return "environment" if "RANK" in env else "arguments"
-
-
-def _describe(
-    comm: Communicator, launcher: str, shared: list[int], tcp_only: dict[int, str],
-    one_host: bool, no_cross: str,
-) -> str:  # fmt: skip
-    """The one INFO line of a new communicator: who, and which data plane to each peer."""
-    planes = [f"rank {p}: shared memory (same host)" for p in shared]
-    planes += [f"rank {p}: tcp ({why})" for p, why in sorted(tcp_only.items())]
-    cross = "on" if comm._cross is not None else f"off ({no_cross})"
-    windows = "on" if one_host else "off (not every rank is on this host)"
-    return (
-        f"rank {comm.rank} of {comm.world_size} joined (launcher: {launcher}); "
-        f"{'; '.join(planes)}; cross-memory attach: {cross}; shared windows: {windows}"
-    )
-
-
-def _shared_clock_origin(comm: Communicator, one_host: bool, timeout: float) -> float:
-    """This rank's clock reading of the instant rank 0 left a barrier at the end of init.
-
-    On one host every process reads the same CLOCK_MONOTONIC, so rank 0's reading is the
-    answer. Across hosts each rank takes, over five barriers, the median of its own reading
-    minus rank 0's at the barrier's end, which is its clock's offset up to the barrier's skew
-    (about one message latency)."""
-    offsets = []
-    for _ in range(1 if one_host else 5):
-        comm.barrier(name="asyncreduce/clock", timeout=timeout)
-        now = time.perf_counter()
-        readings = comm.allgather(np.array([now]), name="asyncreduce/clock", timeout=timeout)
-        rank0 = float(readings[0][0])
-        offsets.append(0.0 if one_host else now - rank0)
-    return rank0 + sorted(offsets)[len(offsets) // 2]

@@ -78,6 +78,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_VALUE_BYTES",
     "FileStore",
+    "PrefixStore",
     "Store",
     "TCPStore",
     "gather",
@@ -150,6 +151,36 @@ class Store(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class PrefixStore(Store):
+    """``store`` with every key under ``prefix``: several rendezvous in one shared store."""
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        self.prefix = prefix
+        self.store = store
+        self.host = getattr(store, "host", None)  # where the store serves, for routing
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(self.prefix + key, value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        return self.store.get(self.prefix + key, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(self.prefix + key, amount)
+
+    def check(self, keys: Sequence[str]) -> list[bool]:
+        return self.store.check([self.prefix + key for key in keys])
+
+    def delete(self, key: str) -> None:
+        self.store.delete(self.prefix + key)
+
+    def close(self) -> None:
+        """The shared store stays open: its owner closes it."""
+
+    def _diagnosis(self) -> str:
+        return self.store._diagnosis()
 
 
 # ---------------------------------------------------------------- argument checks
@@ -1047,12 +1078,15 @@ def _describe_ranks(ranks: Sequence[int]) -> str:
 
 
 def gather(
-    store: Store, prefix: str, rank: int, world_size: int, value: bytes, timeout: float
-) -> list[bytes]:
+    store: Store, prefix: str, rank: int, world_size: int, value: bytes, timeout: float,
+    *, abort: str | None = None,
+) -> list[bytes]:  # fmt: skip
     """Publish ``value`` under f"{prefix}/{rank}", wait for all ranks, return values in rank order.
 
     On deadline raise TimeoutError whose message names who is missing, e.g.
     "rendezvous 'addr': waited 30.0 s; ranks 2, 3 never joined (world_size=4)".
+    ``abort``: a key that any rank may set to a reason, which makes every waiting rank raise
+    UsageError with it within a second instead of waiting out the deadline.
     Each rendezvous needs its own ``prefix``: keys are never deleted, so a reused prefix
     would return the values of the earlier round.
     """
@@ -1062,7 +1096,7 @@ def gather(
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.set(keys[rank], value)
     try:
-        return [store.get(key, timeout=max(deadline - time.monotonic(), 0.0)) for key in keys]
+        return [_wait_for(store, key, deadline, abort) for key in keys]
     except TimeoutError:
         missing = [r for r, present in enumerate(store.check(keys)) if not present]
         if missing:
@@ -1074,6 +1108,21 @@ def gather(
             ) from None
     # Everyone arrived just as the deadline passed: the values are all there now.
     return [store.get(key, timeout=max(timeout, 1.0)) for key in keys]
+
+
+def _wait_for(store: Store, key: str, deadline: float, abort: str | None) -> bytes:
+    """``store.get`` until ``deadline``, looking at the ``abort`` key every second."""
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        if abort is None:
+            return store.get(key, timeout=left)
+        try:
+            return store.get(key, timeout=min(left, 1.0))
+        except TimeoutError:
+            if store.check([abort])[0]:
+                raise UsageError(store.get(abort, 1.0).decode(errors="replace")) from None
+            if left <= 1.0:
+                raise
 
 
 def store_from_env_or_args(

@@ -46,7 +46,7 @@ class Bucket:
     posted_pass: int = -1  # the backward pass this bucket was last posted in
     inflight: Update | None = None  # this step's latest post, not yet handed to the optimizer
     update: Update | None = None  # forward, double_buffer: a finished step's, not yet applied
-    sent: list[tuple[Any, int]] = field(default_factory=list)  # (grad ref, version) at the post
+    sent: list[tuple[Any, int, tuple[float, float]]] = field(default_factory=list)  # changed()
 
     def flat(self, generation: int) -> torch.Tensor:
         return self.buffers[generation % len(self.buffers)]
@@ -57,29 +57,37 @@ class Bucket:
     def pack(self, flat: torch.Tensor) -> None:
         """Gradients and used-flags into ``flat``; remember what was sent (see ``changed``)."""
         offset, flags = 0, flat.numel() - len(self.params)
-        sent: list[tuple[Any, int]] = []
+        sent: list[tuple[Any, int, tuple[float, float]]] = []
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 piece = flat[offset : offset + p.numel()]
                 grad = p.grad
                 if grad is None:
                     piece.zero_()
-                    sent.append((None, -1))
+                    sent.append((None, -1, (0.0, 0.0)))
                 else:
                     if grad.data_ptr() != piece.data_ptr():  # a view of this very piece: as is
                         piece.copy_(grad.reshape(-1))
-                    sent.append((weakref.ref(grad), grad._version))
+                    sent.append((weakref.ref(grad), grad._version, _fingerprint(grad)))
                 flat[flags + i] = 0.0 if grad is None else 1.0
                 offset += p.numel()
         self.sent = sent
 
     def changed(self) -> nn.Parameter | None:
-        """The first parameter whose ``.grad`` was replaced or modified since it was packed."""
-        for p, (ref, version) in zip(self.params, self.sent, strict=False):
+        """The first parameter whose ``.grad`` was replaced or modified since it was packed:
+        another tensor, a moved version counter (every in-place torch op), or, for a change
+        through ``.data`` (which moves no counter), other values at 64 sampled places."""
+        for p, (ref, version, print_) in zip(self.params, self.sent, strict=False):
+            grad = p.grad
             if ref is None:
-                if p.grad is not None:
+                if grad is not None:
                     return p
-            elif ref() is not p.grad or p.grad is None or p.grad._version != version:
+            elif (
+                ref() is not grad
+                or grad is None
+                or grad._version != version
+                or _fingerprint(grad) != print_  # last: the costliest test
+            ):
                 return p
         return None
 
@@ -109,6 +117,18 @@ class Update:
             self.request.wait()  # staged: also orders this thread's stream after the copy back
             self.grads = unpack(bucket.params, self.flat, world)
         return self.grads
+
+
+def _fingerprint(grad: torch.Tensor) -> tuple[float, float]:
+    """A position-weighted sum and the sum of squares of 64 evenly spaced elements (CPU
+    gradients; nothing elsewhere: reading a device tensor would wait for the device). A plain
+    sum would miss a scaled gradient whose elements add to zero, as a softmax bias's do."""
+    if grad.device.type != "cpu":
+        return (0.0, 0.0)
+    flat = grad.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // 64)].double()
+    weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64)
+    return (float((sample * weights).sum()), float((sample * sample).sum()))
 
 
 def unpack(

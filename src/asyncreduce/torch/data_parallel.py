@@ -103,6 +103,7 @@ class DataParallel(nn.Module):
         self._forward_end = 0.0
         self._stats = CommStats()
         self._closed = False
+        self._first_forward = mode == "forward"  # see _watch_first_forward
         named = list(module.named_parameters())  # frozen ones too: DDP syncs those as well
         self._params = [p for _, p in named if p.requires_grad]
         self._names = {id(p): n for n, p in named}
@@ -118,7 +119,9 @@ class DataParallel(nn.Module):
         self._buckets = self._make_buckets(self._params, bucket_bytes)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self.optimizer = DataParallelOptimizer(
-            _made(optimizer(list(module.parameters()))), weakref.WeakMethod(self._step)
+            _made(optimizer(list(module.parameters()))),
+            weakref.WeakMethod(self._step),
+            deferred=mode not in _AVERAGED_IN_BACKWARD,
         )
         if mode not in _AVERAGED_IN_BACKWARD and isinstance(
             self.optimizer.inner, _NEEDS_ALL_GRADIENTS
@@ -193,10 +196,36 @@ class DataParallel(nn.Module):
             for p in self._params
         ]
         if self.mode == "forward":
+            holders = _holders(self.module)
             for bucket in self._buckets:
-                assert bucket.module is not None
-                hooks.append(bucket.module.register_forward_pre_hook(_LayerHook(me, bucket)))
+                modules = {id(m): m for p in bucket.params for m in holders[id(p)]}
+                for module in modules.values():
+                    hooks.append(_hook_layer(module, _LayerHook(me, bucket)))
         return hooks
+
+    def _watch_first_forward(self) -> Callable[[], None]:
+        """forward mode, first forward: note which modules run. A layer whose parameters are
+        used by its parent without the layer itself running (MultiheadAttention's out_proj)
+        gets its update from the pre-hook of the nearest ancestor that ran instead."""
+        ran: set[int] = set()
+        watching = [m.register_forward_pre_hook(lambda m, a: ran.add(id(m)))
+                    for m in self.module.modules()]  # fmt: skip
+        me = weakref.ref(self)
+
+        def settle() -> None:
+            _remove_all(watching)
+            parents = _parents(self.module)
+            holders = _holders(self.module)
+            for bucket in self._buckets:
+                layers = {id(m): m for p in bucket.params for m in holders[id(p)]}
+                if ran & set(layers):
+                    continue
+                ancestor = next(iter(layers.values()))
+                while id(ancestor) not in ran and id(ancestor) in parents:
+                    ancestor = parents[id(ancestor)]
+                self._hooks.append(_hook_layer(ancestor, _LayerHook(me, bucket)))
+
+        return settle
 
     # ---- the training loop ---------------------------------------------------------------------
 
@@ -205,7 +234,13 @@ class DataParallel(nn.Module):
         start = time.perf_counter()
         self._pass_open = False  # a backward that raised never ran its final callback
         self._buffer_sync.before_forward()
-        out = self.module(*args, **kwargs)
+        settle = self._watch_first_forward() if self._first_forward else None
+        self._first_forward = False
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if settle is not None:
+                settle()
         self._buffer_sync.after_forward(self._sync)
         self._forward_end = time.perf_counter()
         if self.timeline is not None:
@@ -369,6 +404,8 @@ class DataParallel(nn.Module):
     def _open_pass(self) -> None:
         self._pass_open = True
         self._pass += 1
+        for bucket in self._buckets:
+            bucket.ready.clear()  # a backward that raised may have left some
 
     def _end_pass(self) -> None:
         """The end of a synced backward pass: every bucket not sent in it is sent now; in
@@ -519,6 +556,29 @@ def _restored(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor | 
         raise UsageError(f"a pending update of shape {tuple(grad.shape)} for a parameter of "
                          f"shape {tuple(param.shape)}: not this model's checkpoint")  # fmt: skip
     return grad.to(device=param.device, dtype=param.dtype)
+
+
+def _holders(module: nn.Module) -> dict[int, list[nn.Module]]:
+    """{id(parameter): every module holding it directly} (a tied weight has several)."""
+    found: dict[int, list[nn.Module]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            found.setdefault(id(p), []).append(sub)
+    return found
+
+
+def _parents(module: nn.Module) -> dict[int, nn.Module]:
+    """{id(child): its parent} (a module used in two places: its first parent)."""
+    found: dict[int, nn.Module] = {}
+    for parent in module.modules():
+        for child in parent.children():
+            found.setdefault(id(child), parent)
+    return found
+
+
+def _hook_layer(module: nn.Module, hook: _LayerHook) -> Any:
+    """Before every other pre-hook (weight_norm's computes the weight from the parameters)."""
+    return module.register_forward_pre_hook(hook, prepend=True)
 
 
 def _clear(params: Iterable[nn.Parameter]) -> None:

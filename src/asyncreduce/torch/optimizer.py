@@ -10,6 +10,10 @@ plain DDP. ``DataParallelOptimizer`` stands in front of it:
   read and write ``param_groups`` and wrap ``opt.step`` to see that it is called).
 * ``step()`` is the wrapper's ``step()``: what the mode says, then the gradients are cleared.
   Calling either one is the same; a scheduler stepped after it sees the call.
+* GradScaler's fused path sets ``grad_scale`` and ``found_inf`` on the optimizer for its step
+  to read: they are passed to the inner optimizer. Where updates are applied later (forward,
+  double_buffer) the fused path is not offered, since GradScaler removes them right after
+  ``step()``.
 * ``step_subset`` lets forward mode update one layer at a time with the same inner optimizer:
   each group's ``params`` is narrowed to that layer's parameters for one inner ``step()`` and
   restored (optimizer state is kept per parameter, so a subset step is the whole step of those
@@ -30,20 +34,51 @@ from ..errors import ClosedError, UsageError
 __all__ = ["DataParallelOptimizer", "Hyper"]
 
 Hyper = list[dict[str, Any]]  # per param group: every entry but "params", as step() saw it
+_PASSED_ON = frozenset({"grad_scale", "found_inf"})  # GradScaler's, for the inner step to read
 
 
 class DataParallelOptimizer(torch.optim.Optimizer):
     """``model.optimizer``: the inner optimizer's groups and state, the wrapper's ``step``."""
 
     def __init__(
-        self, inner: torch.optim.Optimizer, step: weakref.WeakMethod[Callable[[Any], Any]]
+        self,
+        inner: torch.optim.Optimizer,
+        step: weakref.WeakMethod[Callable[[Any], Any]],
+        deferred: bool,
     ) -> None:
         # Optimizer.__init__ is not called on purpose: groups, state and hooks are the inner
         # optimizer's, looked up on it every time (load_state_dict replaces its groups). The
         # wrapper's step is held weakly, so the wrapper is freed (and unhooked) once dropped.
+        # ``deferred``: updates are applied after step() returns (forward, double_buffer).
         self._inner = inner
         self._wrapper_step = step
+        self._deferred = deferred
         self._plans: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PASSED_ON:
+            setattr(self._inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _PASSED_ON:
+            delattr(self._inner, name)
+        else:
+            object.__delattr__(self, name)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a DataParallel's optimizer is not picklable (it steps through its wrapper): "
+            "save model.optimizer.state_dict() and load it into the optimizer of the "
+            "resumed run"
+        )
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:  # GradScaler: may it take the fused path?
+        return not self._deferred and bool(
+            getattr(self._inner, "_step_supports_amp_scaling", False)
+        )
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -97,8 +132,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         )
 
     def __getattr__(self, name: str) -> Any:
-        # hooks and anything else torch's Optimizer offers: the inner optimizer's
-        if name.startswith("__") or name == "_inner":
+        # hooks and anything else torch's Optimizer offers: the inner optimizer's (in forward
+        # mode step hooks then run once per layer, seeing that layer's parameters only)
+        if name.startswith("__") or name in ("_inner", "_deferred"):
             raise AttributeError(name)
         return getattr(self._inner, name)
 

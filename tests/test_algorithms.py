@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from asyncreduce import cma
@@ -53,13 +53,15 @@ from asyncreduce.algorithms import (
     combine,
     finalize,
     reduction,
+    reduction_refused,
     segments,
     split,
 )
 from asyncreduce.bootstrap import _unreadable
 from asyncreduce.cma import CrossMemory
 
-DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
+DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16", "int8",
+               "int16", "bool", "complex64", "complex128"]  # fmt: skip
 COUNTS = [0, 1, 13, 1009]
 BIG = 1_000_003
 
@@ -280,12 +282,14 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return bf16_bits(np.ldexp(np.round(mantissa * 256), exponent - 8))
 
 
-def to_storage(values: np.ndarray, dtype_name: str) -> np.ndarray:
-    """Exact integer values as the bytes an algorithm works on."""
+def to_storage(values: np.ndarray, dtype_name: str, wrap: bool = False) -> np.ndarray:
+    """Exact integer values as the bytes an algorithm works on (``wrap``: integers may wrap,
+    as bitwise results of negative int64 inputs do into a narrower type)."""
     if dtype_name == "bfloat16":
         return bf16_bits(values)
     out = np.asarray(values).astype(DTYPES[dtype_name].storage)
-    assert np.array_equal(out.astype(np.float64), np.asarray(values, dtype=np.float64))
+    if not wrap:
+        assert np.array_equal(out, np.asarray(values)), "not exactly representable"
     return out
 
 
@@ -297,6 +301,12 @@ def same_values(got: np.ndarray, want: np.ndarray, dtype_name: str) -> bool:
 
 def value_range(dtype_name: str, op: str) -> tuple[int, int]:
     """Inputs whose reduction over up to 9 ranks is exact in every order (uint8 wraps)."""
+    if dtype_name == "bool":
+        return (0, 1)
+    if dtype_name == "int8":
+        return {"prod": (-1, 1), "sum": (-14, 14)}.get(op, (-128, 127))
+    if dtype_name == "int16" and op in ("max", "min", "band", "bor", "bxor"):
+        return (-(2**15), 2**15 - 1)
     if dtype_name == "uint8":
         return (0, 3) if op == "prod" else (0, 255)
     if op == "prod":
@@ -307,6 +317,8 @@ def value_range(dtype_name: str, op: str) -> tuple[int, int]:
 
 
 def make_inputs(seed: int, n: int, count: int, dtype_name: str, op: str) -> list[np.ndarray]:
+    if reduction_refused(DTYPES[dtype_name], op) is not None:
+        assume(False)  # the communicator refuses it before any algorithm runs
     lo, hi = value_range(dtype_name, op)
     rng = np.random.default_rng(seed)
     return [rng.integers(lo, hi, size=count, endpoint=True, dtype=np.int64) for _ in range(n)]
@@ -315,6 +327,16 @@ def make_inputs(seed: int, n: int, count: int, dtype_name: str, op: str) -> list
 def reduce_expected(inputs: list[np.ndarray], dtype_name: str, op: str, n: int) -> np.ndarray:
     """What an allreduce of integer-valued ``inputs`` must produce, in storage form."""
     stack = np.stack(inputs) if inputs else np.zeros((0, 0), dtype=np.int64)
+    if dtype_name == "bool":  # torch's meaning: sum, max, bor "or"; prod, min, band "and"
+        truth = stack.astype(bool)
+        if op in ("sum", "max", "bor"):
+            return truth.any(axis=0)
+        if op in ("prod", "min", "band"):
+            return truth.all(axis=0)
+        return np.logical_xor.reduce(truth, axis=0)
+    if op in ("band", "bor", "bxor"):
+        ufunc = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+        return to_storage(ufunc.reduce(stack, axis=0), dtype_name, wrap=True)
     if op in ("sum", "avg"):
         total = stack.sum(axis=0)
     elif op == "max":
@@ -330,7 +352,7 @@ def reduce_expected(inputs: list[np.ndarray], dtype_name: str, op: str, n: int) 
     quotient = total / n
     if dtype_name == "bfloat16":
         return bf16_round(quotient)
-    if not DTYPES[dtype_name].is_float:
+    if DTYPES[dtype_name].is_integral:
         return np.trunc(quotient).astype(DTYPES[dtype_name].storage)  # toward zero
     return quotient.astype(DTYPES[dtype_name].storage)
 
@@ -1247,3 +1269,92 @@ def test_cross_memory_refuses_a_misaligned_or_unknown_buffer() -> None:
         memory.buffer(1, CrossMemory.announce(like) + 2, like)
     with pytest.raises(ProtocolError):
         memory.buffer(2, CrossMemory.announce(like), like)
+
+
+# --------------------------------------------------------------------------------------------
+# Direct exchange (gather, scatter, all-to-all, point-to-point) and groups
+
+
+@fast(150)
+@given(
+    n=st.integers(1, 9),
+    sizes=st.lists(st.integers(0, 300), min_size=81, max_size=81),
+    segment_bytes=st.sampled_from([1, 64, SEGMENT_BYTES]),
+    seed=seeds,
+)
+def test_exchange_delivers_every_buffer_whole(
+    n: int, sizes: list[int], segment_bytes: int, seed: int
+) -> None:
+    """An all-to-all-v: rank i sends sizes[i*9+j] float32 to rank j, each value naming its
+    source, destination and index; random delivery order, segments down to one byte."""
+    from asyncreduce.algorithms import exchange
+
+    def payload(i: int, j: int) -> np.ndarray:
+        count = sizes[i * 9 + j]
+        return (i * 1_000_000 + j * 1000 + np.arange(count)).astype(np.float32)
+
+    inboxes = [{j: np.zeros(sizes[j * 9 + i], np.float32) for j in range(n) if j != i}
+               for i in range(n)]  # fmt: skip
+    original = exchange.SEGMENT_BYTES
+    exchange.SEGMENT_BYTES = segment_bytes
+    try:
+        machines = [
+            exchange.Exchange(i, n, {j: payload(i, j) for j in range(n) if j != i}, inboxes[i])
+            for i in range(n)
+        ]
+        Network(machines, seed).run()  # (every source names its segments alike: no probe)
+    finally:
+        exchange.SEGMENT_BYTES = original
+    for i in range(n):
+        assert all(m.done for m in machines)
+        for j, got in inboxes[i].items():
+            assert np.array_equal(got, payload(j, i)), f"rank {i} from {j}"
+
+
+@pytest.mark.parametrize(("sent", "expected"), [(3, 5), (5, 3), (5, 4)])
+def test_exchange_of_another_size_is_a_protocol_error(sent: int, expected: int) -> None:
+    """The receiver learns at the first segment that disagrees, never waits for more."""
+    from asyncreduce.algorithms import exchange
+
+    original = exchange.SEGMENT_BYTES
+    exchange.SEGMENT_BYTES = 8  # two float32 a segment
+    try:
+        sender = exchange.Exchange(0, 2, {1: np.zeros(sent, np.float32)}, {})
+        receiver = exchange.Exchange(1, 2, {}, {0: np.zeros(expected, np.float32)})
+        with pytest.raises(ProtocolError):
+            for s in sender.start():
+                target = receiver.recv_buffer(0, s.step, s.seg, s.payload.nbytes)
+                target[...] = s.payload.view(target.dtype)
+                receiver.on_message(0, s.step, s.seg, target)
+            if not receiver.done:  # every segment came, and it still waits: the sizes differ
+                raise ProtocolError("incomplete")
+    finally:
+        exchange.SEGMENT_BYTES = original
+
+
+@fast(80)
+@given(world=st.integers(2, 9), data=st.data(), op=ops, seed=seeds)
+def test_a_group_allreduce_over_the_ranks_of_a_bigger_world(
+    world: int, data: st.DataObject, op: str, seed: int
+) -> None:
+    """A group of some ranks (in any order) runs its algorithms in its own numbering; the
+    wire between the members sees only the world's ranks."""
+    from asyncreduce.algorithms import Translated
+
+    members = data.draw(st.permutations(range(world)).map(lambda p: p[: max(1, len(p) // 2)]))
+    n = len(members)
+    inputs = make_inputs(seed, n, 13, "float64", op)
+    buffers = [to_storage(x, "float64") for x in inputs]
+    machines: list[Collective | None] = [None] * world
+    for g, member in enumerate(members):
+        inner = build("allreduce", g, n, buffers[g], DTYPES["float64"], op)
+        machines[member] = Translated(inner, members, member, world)
+    idle = [m for m in range(world) if m not in members]
+    for m in idle:  # ranks outside the group take no part: stand-ins that expect nothing
+        machines[m] = Barrier(0, 1)
+    net = Network([m for m in machines if m is not None], seed)
+    net.must_start = lambda rank: set(members)  # the idle ranks need not have started
+    net.run()
+    check_allreduce(buffers, reduce_expected(inputs, "float64", op, n), "float64")
+    for m in idle:
+        assert net.sent_by[m] == 0 and net.received_by[m] == 0

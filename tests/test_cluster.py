@@ -166,6 +166,33 @@ def test_open_mpi_across_hosts(tmp_path: Path) -> None:
     assert written == ["0 0 3", "1 1 3"], (written, lines)
 
 
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs Open MPI and mpi4py",
+)
+@pytest.mark.timeout(120)
+def test_asyncreduce_under_mpirun_across_hosts_needs_no_master_address(tmp_path: Path) -> None:
+    """No MASTER_ADDR, no -x: rank 0 tells the others through MPI where its store listens."""
+    script = tmp_path / "ar_rank.py"
+    script.write_text(
+        "import os, numpy as np, asyncreduce as ar\n"
+        "assert 'MASTER_ADDR' not in os.environ\n"
+        "with ar.init(timeout=30) as comm:\n"
+        "    x = np.full(8, comm.rank + 1.0)\n"
+        "    comm.allreduce(x)\n"
+        f"    path = {str(tmp_path)!r} + f'/rank{{comm.rank}}.txt'\n"
+        "    open(path, 'w').write(f'{comm.rank} {comm.local_rank} {comm.local_world_size} '\n"
+        "                          f\"{os.environ['HOST_INDEX']} {x[0]:g}\")\n"
+    )
+    lines: list[str] = []
+    with cluster.Cluster(hosts=2, rate="1gbit") as c:
+        codes = c.run(c.mpirun_argv([sys.executable, str(script)], per_host=2), timeout=90,
+                      on_line=lambda _, line: lines.append(line), on=[0])  # fmt: skip
+    assert codes == [0], lines
+    written = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
+    assert written == ["0 0 2 0 10", "1 1 2 0 10", "2 0 2 1 10", "3 1 2 1 10"], (written, lines)
+
+
 # ---- faults on the network: a reset connection, a black-holed link ---------------------------
 
 FAULT_SCRIPT = textwrap.dedent(

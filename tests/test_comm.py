@@ -118,6 +118,106 @@ def test_collectives_are_exact_and_identical_on_every_rank(n: int, transport: st
     assert all(results[r] == results[0] for r in range(n))
 
 
+def _sockets() -> int:
+    fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+    return sum(os.readlink(fd).startswith("socket:") for fd in fds if os.path.exists(fd))
+
+
+def body_exchanges(comm: ar.Communicator) -> dict[str, object]:
+    """reduce, gather, scatter, alltoall, send/recv with tags, every dtype, and groups."""
+    r, n = comm.rank, comm.world_size
+    for root in range(n):
+        for op, fold in (("sum", np.add), ("max", np.maximum), ("prod", np.multiply)):
+            x = np.array([r + 1.0, -(r + 2.0)])
+            mine = x.copy()
+            comm.reduce(x, op, root)
+            want = mine if r != root else fold.reduce([np.array([q + 1.0, -(q + 2.0)])
+                                                       for q in range(n)])  # fmt: skip
+            np.testing.assert_array_equal(x, want)
+        big = np.arange(3 << 18, dtype=np.int64) + r  # 6 MiB: several segments each way
+        g = comm.gather(big, root=root)
+        if r == root:
+            assert g.shape == (n, big.size)
+            assert all(np.array_equal(g[q], big - r + q) for q in range(n))
+        else:
+            assert g is None
+        out = np.zeros(5, np.float32)
+        source = np.arange(n * 5, dtype=np.float32).reshape(n, 5) if r == root else None
+        comm.scatter(out, source, root=root)
+        np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32) + 5 * r)
+    a = np.repeat(np.arange(n) + 100 * r, 1 << 16).astype(np.float32)
+    got = comm.alltoall(a).reshape(n, -1)
+    assert all(np.all(got[q] == r + 100 * q) for q in range(n))
+    # point-to-point around a ring: two tags, posted interleaved, received tag 1 first
+    right, left = (r + 1) % n, (r - 1) % n
+    sends = [comm.isend(np.full(4, 10 * i + t + r, np.int32), right, tag=t)
+             for i in range(3) for t in (0, 1)]  # fmt: skip
+    got_t = {t: [comm.recv(np.zeros(4, np.int32), left, tag=t)[0] for _ in range(3)]
+             for t in (1, 0)}  # fmt: skip
+    ar.wait_all(sends, timeout=30)
+    assert got_t == {t: [10 * i + t + left for i in range(3)] for t in (1, 0)}, got_t
+    # the dtypes torch reduces
+    flags = comm.allreduce(np.array([r == 0, True, False]), "sum")
+    np.testing.assert_array_equal(flags, [True, True, False])
+    assert comm.allreduce(np.array([r == 0, True]), "prod").tolist() == [n == 1, True]
+    bits = comm.allreduce(np.array([1 << r, 7], np.int8), "bor")
+    assert bits.tolist() == [(1 << n) - 1, 7]
+    assert comm.allreduce(np.array([r + 1], np.int16), "bxor")[0] == np.bitwise_xor.reduce(
+        np.arange(1, n + 1))
+    z = comm.allreduce(np.full(3, (r + 1) * (1 - 2j), np.complex128), "avg")
+    assert np.all(z == (n + 1) / 2 * (1 - 2j))
+    # groups: no new sockets, their own numbering, keys apart from the world's
+    before = _sockets()
+    groups = [comm.group(members) for members in ([*range(n)][::-1], [*range(n)]) * 4]
+    evens = [q for q in range(n) if q % 2 == 0]
+    sub = comm.group(evens) if r in evens else None
+    assert _sockets() == before, "groups opened sockets"
+    for g_ in groups:
+        x = np.full(3, float(g_.rank))
+        g_.allreduce(x, name="same-name")
+        assert np.all(x == sum(range(n)))
+    comm.allreduce(np.ones(2), name="same-name")  # the world's own key of that name
+    if sub is not None:
+        y = np.full(2, float(r))
+        sub.allreduce(y)
+        assert np.all(y == sum(evens)) and sub.world_size == len(evens)
+        nested = sub.group([sub.rank])
+        assert nested.allreduce(np.full(1, 5.0))[0] == 5.0 and nested.world_size == 1
+    ranks_seen = [g_.rank for g_ in groups[:2]]
+    for g_ in groups:
+        g_.close()
+    comm.barrier()
+    return {"group_ranks": ranks_seen}
+
+
+@pytest.mark.parametrize(("n", "transport"), [(2, "cma"), (3, "cma"), (4, "cma"), (3, "shm"),
+                                              (3, "tcp")])  # fmt: skip
+def test_reduce_gather_scatter_alltoall_p2p_dtypes_and_groups(n: int, transport: str) -> None:
+    results = run_ranks(n, body_exchanges, env=TRANSPORTS[transport], timeout=90)
+    assert [results[r]["group_ranks"] for r in range(n)] == [[n - 1 - r, r] for r in range(n)]
+
+
+def body_mismatched_p2p(comm: ar.Communicator) -> str:
+    """Rank 0 sends 5 floats, rank 1 expects 4. The receive fails with MismatchError; the
+    send may complete first (a send is done once sent, as in MPI), but the communicator of
+    both breaks, so the sender's next operation fails, caused by the same MismatchError."""
+    try:
+        if comm.rank == 0:
+            comm.send(np.ones(5, np.float32), 1, timeout=20)
+            comm.barrier(name="after", timeout=20)  # rank 1 never joins: it broke
+        else:
+            comm.recv(np.zeros(4, np.float32), 0, timeout=20)
+    except (ar.MismatchError, ar.BrokenError) as exc:
+        cause = exc.__cause__ if isinstance(exc, ar.BrokenError) and exc.__cause__ else exc
+        return type(cause).__name__
+    return "no error"
+
+
+def test_a_send_and_recv_of_different_sizes_break_both_ranks() -> None:
+    results = run_ranks(2, body_mismatched_p2p, timeout=60)
+    assert results == {0: "MismatchError", 1: "MismatchError"}
+
+
 # ---- threads, shuffled named operations ---------------------------------------------------------
 
 
@@ -363,7 +463,14 @@ def body_usage(comm: ar.Communicator) -> None:
         (lambda: comm.iallreduce(b"abcd"), "read-only"),
         (lambda: comm.iallreduce(np.ones(3), op="mean"), "sum, avg"),
         (lambda: comm.iallreduce(np.ones(3, np.int32), op="avg"), "floating"),
-        (lambda: comm.iallreduce(np.ones(3, np.complex64)), "supported"),
+        (lambda: comm.iallreduce(np.ones(3, np.uint32)), "supported"),
+        (lambda: comm.iallreduce(np.ones(3, np.complex64), op="max"), "no order"),
+        (lambda: comm.iallreduce(np.ones(3), op="band"), "integers or bool"),
+        (lambda: comm.igather(np.ones(3), root=-1), "root"),
+        (lambda: comm.isend(np.ones(3), comm.rank), "another rank"),
+        (lambda: comm.irecv(np.ones(3), 0, tag=-1) if comm.rank else comm.isend(
+            np.ones(3), 1, tag=-1), "tag"),
+        (lambda: comm.group([0, 0]), "distinct"),
         (lambda: comm.ibroadcast(np.ones(3), root=7), "root"),
         (lambda: comm.ireduce_scatter(np.ones(3)), "divisible"),
         (lambda: comm.iallreduce(np.ones(3), name=""), "name"),

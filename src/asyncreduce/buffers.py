@@ -36,8 +36,11 @@ class Buffer:
     like: Callable[[Array], Any]  # a numpy array (same dtype) -> the caller's type
 
 
-def as_buffer(x: Any, what: str, *, inplace: bool = True) -> Buffer:
-    """View ``x`` as a flat array; copy it first when ``inplace`` is False."""
+def as_buffer(x: Any, what: str, *, inplace: bool = True, copy: bool = True) -> Buffer:
+    """View ``x`` as a flat array the operation writes (``inplace``), or a copy of it
+    (``inplace=False``), or, with ``copy=False`` too, a view the operation only reads."""
+    if not inplace and not copy:
+        return _read_only(x, what)
     if isinstance(x, np.ndarray):
         return _numpy(x, what, inplace)
     if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
@@ -50,6 +53,18 @@ def as_buffer(x: Any, what: str, *, inplace: bool = True) -> Buffer:
             f"array.array, ...); got {type(x).__name__}"
         ) from None
     return _buffer(x, view, what, inplace)
+
+
+def _read_only(x: Any, what: str) -> Buffer:
+    """A view of ``x`` for an operation that only reads it (no copy, no version bump)."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise UsageError(f"{what} is not contiguous; pass np.ascontiguousarray({what})")
+        return Buffer(x, x.reshape(-1), x.shape, _dtype_of(x.dtype, what), lambda a: a)
+    if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        found = _torch(x.detach(), what, inplace=True, bump=False)
+        return Buffer(x, found.flat, found.shape, found.dtype, found.like)
+    return as_buffer(x, what, inplace=False)  # other buffers: a copy is cheap and safe
 
 
 def _dtype_of(np_dtype: np.dtype[Any], what: str) -> DType:
@@ -77,7 +92,7 @@ def _numpy(x: Array, what: str, inplace: bool) -> Buffer:
     return Buffer(data, data.reshape(-1), x.shape, dtype, lambda a: a)
 
 
-def _torch(t: Any, what: str, inplace: bool) -> Buffer:
+def _torch(t: Any, what: str, inplace: bool, bump: bool = True) -> Buffer:
     import torch
 
     if t.device.type != "cpu":
@@ -86,7 +101,7 @@ def _torch(t: Any, what: str, inplace: bool) -> Buffer:
         raise UsageError(f"{what} is not contiguous; pass {what}.contiguous() instead")
     data = t.detach() if inplace else t.detach().clone()
     original = t if inplace else data
-    if inplace:
+    if inplace and bump:
         torch.autograd.graph.increment_version(t)
     if data.dtype == torch.bfloat16:
         flat = data.view(torch.int16).numpy().view(np.uint16).reshape(-1)

@@ -9,11 +9,18 @@ order on each rank; unnamed ones, as in MPI, in the same order everywhere.
 
 The caller must not touch the buffer until the request completes; afterwards the result is
 in place (or in a new object, for ``inplace=False``, allgather and reduce_scatter).
+
+A group (``group``) is a communicator of some of the ranks over the same engine and
+connections: its operations are keyed under a prefix of its own, its algorithms are built for
+its own numbering and wrapped (``Translated``) so the engine sees the ranks it knows. Point-to-
+point operations are keyed by source, destination and tag (``p2p:SRC>DST:TAG``), so a send and
+the receive that names its source match like any other operation.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import operator
 import os
@@ -21,7 +28,8 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -33,11 +41,14 @@ from .algorithms import (
     CROSS_MEMORY_BYTES,
     KINDS,
     REDUCTION_CODES,
-    REDUCTIONS,
     SMALL_ALLREDUCE_BYTES,
     Array,
+    Collective,
+    Exchange,
     PeerMemory,
+    Translated,
     build,
+    reduction_refused,
 )
 from .buffers import Buffer, as_buffer
 from .cma import CrossMemory
@@ -94,6 +105,10 @@ class Communicator:
         self._closed = False
         self._generation = forks.generation()
         self._pid = os.getpid()
+        self._parent: Communicator | None = None  # a group: the communicator it lives on
+        self._members: tuple[int, ...] | None = None  # a group: the engine's rank of each member
+        self._prefix = ""  # a group: what its keys start with
+        self._groups: defaultdict[tuple[int, ...], int] = defaultdict(int)
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -117,10 +132,7 @@ class Communicator:
     ) -> Request[Any]:  # fmt: skip
         """Start copying ``x`` of rank ``root`` into ``x`` of every rank."""
         buf = as_buffer(x, "x", inplace=inplace)
-        if not (isinstance(root, int) and 0 <= root < self.world_size):
-            raise UsageError(
-                f"root={root!r} is not a rank of this communicator (0..{self.world_size - 1})"
-            )
+        self._check_root(root)
         return self._post(
             "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
         )
@@ -167,6 +179,30 @@ class Communicator:
         """``ireduce_scatter(...).wait()``."""
         return self.ireduce_scatter(x, op, **kwargs).wait()
 
+    def reduce(self, x: Any, op: str = "sum", root: int = 0, **kwargs: Any) -> Any:
+        """``ireduce(...).wait()``."""
+        return self.ireduce(x, op, root, **kwargs).wait()
+
+    def gather(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
+        """``igather(...).wait()``."""
+        return self.igather(x, root, **kwargs).wait()
+
+    def scatter(self, out: Any, source: Any = None, root: int = 0, **kwargs: Any) -> Any:
+        """``iscatter(...).wait()``."""
+        return self.iscatter(out, source, root, **kwargs).wait()
+
+    def alltoall(self, x: Any, **kwargs: Any) -> Any:
+        """``ialltoall(...).wait()``."""
+        return self.ialltoall(x, **kwargs).wait()
+
+    def send(self, x: Any, dst: int, **kwargs: Any) -> None:
+        """``isend(...).wait()``."""
+        self.isend(x, dst, **kwargs).wait()
+
+    def recv(self, x: Any, src: int, **kwargs: Any) -> Any:
+        """``irecv(...).wait()``."""
+        return self.irecv(x, src, **kwargs).wait()
+
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
         buf = as_buffer(_EMPTY, "barrier")
@@ -175,6 +211,121 @@ class Communicator:
     def barrier(self, **kwargs: Any) -> None:
         """``ibarrier(...).wait()``."""
         self.ibarrier(**kwargs).wait()
+
+    def ireduce(
+        self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,
+        priority: int = 0, timeout: float | None = None,
+    ) -> Request[Any]:  # fmt: skip
+        """Start reducing ``x`` over all ranks into ``x`` of rank ``root``; the other ranks'
+        ``x`` stay as they were (they reduce a copy)."""
+        self._check_root(root)
+        buf = as_buffer(x, "x", inplace=self.rank == root)
+        self._check_reduction(op, buf)
+        result = (lambda: buf.original) if self.rank == root else (lambda: x)
+        return self._submit(_Plan("reduce", buf, result, op, root), name, priority, timeout)
+
+    def igather(
+        self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
+        timeout: float | None = None,
+    ) -> Request[Any]:  # fmt: skip
+        """Start collecting every rank's ``x`` on rank ``root``: its result has shape
+        (world_size, *x.shape); the other ranks' is None."""
+        self._check_root(root)
+        buf = as_buffer(x, "x", inplace=False, copy=False)
+        if self.rank != root:
+            plan = self._exchange("gather", buf, {root: buf.flat}, {}, lambda: None, root)
+            return self._submit(plan, name, priority, timeout)
+        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
+        blocks = out.reshape(self.world_size, -1)
+        blocks[root] = buf.flat
+        recvs = {r: blocks[r] for r in range(self.world_size) if r != root}
+        plan = self._exchange("gather", buf, {}, recvs, lambda: buf.like(out), root)
+        return self._submit(plan, name, priority, timeout)
+
+    def iscatter(
+        self, out: Any, source: Any = None, root: int = 0, *, name: str | None = None,
+        priority: int = 0, timeout: float | None = None,
+    ) -> Request[Any]:  # fmt: skip
+        """Start filling ``out`` of every rank with its block of ``source`` (rank ``root``
+        only: shape (world_size, *out.shape)); the result is ``out``."""
+        self._check_root(root)
+        buf = as_buffer(out, "out")
+        if self.rank != root:
+            plan = self._exchange("scatter", buf, {}, {root: buf.flat}, lambda: buf.original, root)
+            return self._submit(plan, name, priority, timeout)
+        src = as_buffer(source, "source", inplace=False, copy=False)
+        if src.shape != (self.world_size, *buf.shape) or src.dtype != buf.dtype:
+            raise UsageError(f"scatter's source on the root must be {buf.dtype.name} of shape "
+                             f"{(self.world_size, *buf.shape)}; it is {src.dtype.name} "
+                             f"{src.shape}")  # fmt: skip
+        blocks = src.flat.reshape(self.world_size, -1)
+        buf.flat[:] = blocks[root]
+        sends = {r: blocks[r] for r in range(self.world_size) if r != root}
+        plan = self._exchange("scatter", buf, sends, {}, lambda: buf.original, root)
+        return self._submit(plan, name, priority, timeout)
+
+    def ialltoall(
+        self, x: Any, *, name: str | None = None, priority: int = 0, timeout: float | None = None
+    ) -> Request[Any]:
+        """Start sending block ``j`` of ``x``'s first axis (split world_size ways) to rank
+        ``j``; the result, a new object like ``x``, holds rank ``i``'s block ``rank`` at ``i``."""
+        buf = as_buffer(x, "x", inplace=False, copy=False)
+        if not buf.shape or buf.shape[0] % self.world_size:
+            raise UsageError(f"alltoall needs the first axis of x divisible by "
+                             f"world_size={self.world_size}; x has shape {buf.shape}")  # fmt: skip
+        out = np.empty(buf.shape, dtype=buf.flat.dtype)
+        mine, theirs = buf.flat.reshape(self.world_size, -1), out.reshape(self.world_size, -1)
+        theirs[self.rank] = mine[self.rank]
+        others = [r for r in range(self.world_size) if r != self.rank]
+        plan = self._exchange("alltoall", buf, {r: mine[r] for r in others},
+                              {r: theirs[r] for r in others}, lambda: buf.like(out), 0)  # fmt: skip
+        return self._submit(plan, name, priority, timeout)
+
+    def isend(
+        self, x: Any, dst: int, *, tag: int = 0, priority: int = 0, timeout: float | None = None
+    ) -> Request[None]:
+        """Start sending ``x`` to rank ``dst``, matched by its ``irecv(..., src=this rank,
+        tag=tag)`` (sends with one tag to one rank are received in the order posted)."""
+        self._check_peer(dst, "dst")
+        buf = as_buffer(x, "x", inplace=False, copy=False)
+        plan = self._exchange("p2p", buf, {dst: buf.flat}, {}, lambda: None, self.rank)
+        return self._submit(plan, None, priority, timeout, _p2p_key(self.rank, dst, tag))
+
+    def irecv(
+        self, x: Any, src: int, *, tag: int = 0, priority: int = 0, timeout: float | None = None
+    ) -> Request[Any]:
+        """Start receiving into ``x`` what rank ``src`` sends with ``tag``; the result is ``x``."""
+        self._check_peer(src, "src")
+        buf = as_buffer(x, "x")
+        plan = self._exchange("p2p", buf, {}, {src: buf.flat}, lambda: buf.original, src)
+        return self._submit(plan, None, priority, timeout, _p2p_key(src, self.rank, tag))
+
+    # ---- groups --------------------------------------------------------------------------
+
+    def group(self, ranks: Sequence[int]) -> Communicator:
+        """A communicator of ``ranks`` (of this one; group rank ``i`` is ``ranks[i]``) over this
+        one's connections: no new socket, however many groups. Every member calls it with the
+        same ranks, as often; other ranks need not call it. Closing a group closes only it."""
+        members = tuple(operator.index(r) for r in ranks)
+        if len(set(members)) != len(members) or not all(0 <= r < self.world_size for r in members):
+            raise UsageError(f"a group needs distinct ranks of 0..{self.world_size - 1}, "
+                             f"got {list(members)}")  # fmt: skip
+        if self.rank not in members:
+            raise UsageError(f"rank {self.rank} is not in the group {list(members)}")
+        with self._key_lock:
+            instance = self._groups[members]
+            self._groups[members] = instance + 1
+        root = self._parent or self
+        inner = self._members
+        engine_ranks = members if inner is None else tuple(inner[r] for r in members)
+        digest = hashlib.sha1(repr(engine_ranks).encode()).hexdigest()[:12]
+        view = Communicator(members.index(self.rank), len(members), self._engine,
+                            local=(self.local_rank, self.local_world_size))  # fmt: skip
+        view._runner.close()
+        view._runner, view._parent, view._members = root._runner, root, engine_ranks
+        view._prefix = f"{self._prefix}grp-{digest}-{instance}/"
+        view._clock_origin = self._clock_origin
+        return view
 
     # ---- shared windows ------------------------------------------------------------------
 
@@ -225,9 +376,10 @@ class Communicator:
     def close(self) -> None:
         """Fail pending requests with ClosedError, then close every socket and join every thread.
 
-        In a forked child it only marks this copy closed: the connections are the parent's."""
+        In a forked child it only marks this copy closed: the connections are the parent's;
+        a group closes only itself."""
         self._closed = True
-        if self._forked():
+        if self._forked() or self._parent is not None:
             return
         if self._engine is not None:
             self._engine.close()
@@ -240,6 +392,9 @@ class Communicator:
         this one closes without waiting for anybody. Returns within about a second."""
         self._closed = True
         if self._forked():
+            return
+        if self._parent is not None:  # a group's failure is its communicator's
+            self._parent.abort(reason)
             return
         if self._engine is not None:
             self._engine.abort(reason)
@@ -303,61 +458,121 @@ class Communicator:
             )
 
     def _check_reduction(self, op: str, buf: Buffer) -> None:
-        if op not in REDUCTIONS:
-            raise UsageError(f"op={op!r} is not a reduction; use one of {', '.join(REDUCTIONS)}")
-        if op == "avg" and not buf.dtype.is_float:
+        refused = reduction_refused(buf.dtype, op)
+        if refused is not None:
+            raise UsageError(refused)
+
+    def _check_root(self, root: Any) -> None:
+        if not (isinstance(root, int) and 0 <= root < self.world_size):
             raise UsageError(
-                f"op='avg' needs a floating dtype, x is {buf.dtype.name}; use 'sum' and divide"
+                f"root={root!r} is not a rank of this communicator (0..{self.world_size - 1})"
             )
+
+    def _check_peer(self, peer: Any, what: str) -> None:
+        if not (isinstance(peer, int) and 0 <= peer < self.world_size) or peer == self.rank:
+            raise UsageError(f"{what}={peer!r} is not another rank of this communicator "
+                             f"(0..{self.world_size - 1}, not {self.rank})")  # fmt: skip
+
+    def _exchange(
+        self, kind: str, buf: Buffer, sends: dict[int, Array], recvs: dict[int, Array],
+        result: Callable[[], Any], root: int, count: int | None = None,
+    ) -> _Plan:  # fmt: skip
+        """A direct exchange of ``sends`` and ``recvs`` (see algorithms/exchange.py)."""
+        algo = Exchange(self.rank, self.world_size, sends, recvs)
+        return _Plan(kind, buf, result, None, root, algo, count)
 
     def _next_key(self, name: str | None) -> tuple[bytes, int]:
         if name is not None and (not isinstance(name, str) or not name):
             raise UsageError(f"name must be a non-empty string or None, got {name!r}")
-        wire = (name or "").encode()
+        name = self._prefix + (name or "")
+        wire = name.encode()
         if len(wire) > MAX_NAME_BYTES:
             raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
         with self._key_lock:
-            instance = self._posted[name or ""]
-            self._posted[name or ""] = instance + 1
+            instance = self._posted[name]
+            self._posted[name] = instance + 1
         return wire, instance
 
     def _post(
         self, kind: str, buf: Buffer, result: Any, op: str | None, root: int,
         name: str | None, priority: int, timeout: float | None,
     ) -> Request[Any]:  # fmt: skip
+        return self._submit(_Plan(kind, buf, result, op, root), name, priority, timeout)
+
+    def _submit(
+        self, plan: _Plan, name: str | None, priority: int, timeout: float | None,
+        key_name: str | None = None,
+    ) -> Request[Any]:  # fmt: skip
+        """Number, describe and start one operation. ``key_name``: the key's name when it is
+        not the user's ``name`` (point-to-point)."""
+        kind, buf = plan.kind, plan.buf
         if not isinstance(priority, int):
             raise UsageError(f"priority must be an int, got {priority!r}")
         if timeout is not None and not timeout > 0:
             raise UsageError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        if self._closed:
+        if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
         self._check_process(kind)
-        key = self._next_key(name)
-        label = f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
-        reduce = REDUCTION_CODES[op] if op else 0
-        shared: tuple[int, PeerMemory] | None = None  # (what READY says, how peers are read)
-        if kind == "allreduce" and buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:  # small: doubling
-            found = self._windows.find(buf.flat) if self._windows else None
-            if found is not None:  # the window's number in the descriptor: all ranks agree
-                window, offset = found
-                root, shared = window.ident, (offset, window.memory)
-            elif self._cross is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
-                root, shared = CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross)
-        desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, buf.flat.size)
-        algo = build(
-            kind, self.rank, self.world_size, buf.flat, buf.dtype, op or "sum", root, shared
-        )
+        key = self._next_key(name if key_name is None else key_name)
+        label = f"{kind} {name or key_name!r}#{key[1]}" if name or key_name else f"{kind} #{key[1]}"
+        reduce = REDUCTION_CODES[plan.op] if plan.op else 0
+        root, algo = plan.root, plan.algo
+        if algo is None:
+            plane = self._shared_plane(kind, buf)
+            root, shared = plane if plane is not None else (root, None)
+            algo = build(kind, self.rank, self.world_size, buf.flat, buf.dtype, plan.op or "sum",
+                         plan.root, shared)  # fmt: skip
+        count = buf.flat.size if plan.count is None else plan.count
+        desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, count)
+        if self._members is not None:
+            assert self._engine is not None
+            algo = Translated(algo, self._members, self._engine.rank, self._engine.world_size)
         request: Request[Any] = Request(label, self._runner)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
         if self._engine is None:  # a world of one: nothing to talk to
             algo.start()
-            request.set_result(result())
+            request.set_result(plan.result())
             return request
-        self._engine.submit(Operation(key, label, desc, algo, request, result, priority, timeout))
+        operation = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+        self._engine.submit(operation)
         return request
+
+    def _shared_plane(self, kind: str, buf: Buffer) -> tuple[int, tuple[int, PeerMemory]] | None:
+        """An allreduce that reads the peers' memory in place: (descriptor root, (what READY
+        says, how peers are read)), or None for the message-passing algorithms."""
+        if kind != "allreduce" or buf.flat.nbytes <= SMALL_ALLREDUCE_BYTES:  # small: doubling
+            return None
+        found = self._windows.find(buf.flat) if self._windows else None
+        if found is not None:  # the window's number in the descriptor: all ranks agree
+            window, offset = found
+            return window.ident, (offset, window.memory)
+        if self._cross is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
+            return CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross)
+        return None
+
+
+def _p2p_key(src: int, dst: int, tag: int) -> str:
+    if not isinstance(tag, int) or not 0 <= tag < 2**63:
+        raise UsageError(f"tag must be a non-negative int, got {tag!r}")
+    return f"p2p:{src}>{dst}:{tag}"
+
+
+@dataclass
+class _Plan:
+    """What ``_submit`` needs of one operation: its kind, buffer (dtype and count, and the data
+    of the built-in algorithms), how to hand the result back, and for direct exchanges the
+    algorithm itself and the count every rank must agree on."""
+
+    kind: str
+    buf: Buffer
+    result: Callable[[], Any]
+    op: str | None = None
+    root: int = 0
+    algo: Collective | None = None
+    count: int | None = None
 
 
 def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:

@@ -9,9 +9,20 @@ from __future__ import annotations
 from .barrier import Barrier
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 from .doubling import RecursiveDoubling
-from .reduction import DTYPE_BY_CODE, DTYPES, REDUCTION_CODES, REDUCTIONS, DType, combine, finalize
+from .exchange import Exchange
+from .reduction import (
+    DTYPE_BY_CODE,
+    DTYPES,
+    REDUCTION_CODES,
+    REDUCTIONS,
+    DType,
+    combine,
+    finalize,
+    reduction_refused,
+)
 from .ring import Ring
 from .shared import PeerMemory, SharedAllreduce, WindowMemory
+from .translated import Translated
 from .tree import TreeBroadcast
 
 __all__ = [
@@ -23,6 +34,7 @@ __all__ = [
     "DType",
     "DTYPES",
     "DTYPE_BY_CODE",
+    "Exchange",
     "KINDS",
     "ProtocolError",
     "REDUCTIONS",
@@ -34,11 +46,13 @@ __all__ = [
     "PeerMemory",
     "Send",
     "SharedAllreduce",
+    "Translated",
     "WindowMemory",
     "TreeBroadcast",
     "build",
     "combine",
     "finalize",
+    "reduction_refused",
     "segments",
     "split",
 ]
@@ -55,13 +69,19 @@ CROSS_MEMORY = 0xFFFF_FFFF
 #: copies are cheaper than three rounds of messages).
 CROSS_MEMORY_BYTES = 2 << 20
 
-#: Operation kinds and their wire codes.
+#: Operation kinds and their wire codes. reduce runs an allreduce (non-roots on a copy); gather,
+#: scatter, alltoall and p2p (one send matched with one receive) are direct exchanges.
 KINDS: dict[str, int] = {
     "allreduce": 1,
     "broadcast": 2,
     "allgather": 3,
     "reduce_scatter": 4,
     "barrier": 5,
+    "reduce": 6,
+    "gather": 7,
+    "scatter": 8,
+    "alltoall": 9,
+    "p2p": 10,
 }
 
 
@@ -88,7 +108,7 @@ def build(
     the others' in place (shared windows, cross-memory attach; the descriptor says which, so
     all ranks agree).
     """
-    if kind == "allreduce":
+    if kind in ("allreduce", "reduce"):
         if shared is not None:
             return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *shared)
         if buffer.nbytes <= SMALL_ALLREDUCE_BYTES:

@@ -5,7 +5,9 @@ the same order (see ``combine``), which the algorithms do, so every rank ends bi
 ``avg`` is a sum on the wire, divided by the world size once at the end.
 
 bfloat16 (torch only) travels as its raw 16-bit pattern; it is widened to float32 to combine
-and rounded back to nearest-even, which is what PyTorch does on the CPU.
+and rounded back to nearest-even, which is what PyTorch does on the CPU. bool combines as
+torch does: sum and max are "or", prod and min are "and". ``band``, ``bor`` and ``bxor`` take
+integers and bool; ``max`` and ``min`` no complex numbers (``reduction_refused`` says why).
 
 Overflow wraps (integers) or saturates to inf (floats) as in MPI; the progress thread turns
 numpy's floating-point warnings off for itself, so nothing here pays for an errstate.
@@ -27,6 +29,7 @@ __all__ = [
     "REDUCTION_CODES",
     "combine",
     "finalize",
+    "reduction_refused",
 ]
 
 
@@ -46,6 +49,15 @@ class DType:
     def is_float(self) -> bool:
         return self.name in ("float16", "float32", "float64", "bfloat16")
 
+    @property
+    def is_complex(self) -> bool:
+        return self.name in ("complex64", "complex128")
+
+    @property
+    def is_integral(self) -> bool:
+        """Integers and bool: the types the bitwise reductions take."""
+        return not (self.is_float or self.is_complex)
+
 
 DTYPES: Final[dict[str, DType]] = {
     d.name: d
@@ -57,11 +69,16 @@ DTYPES: Final[dict[str, DType]] = {
         DType(5, "int64", np.dtype(np.int64)),
         DType(6, "uint8", np.dtype(np.uint8)),
         DType(7, "bfloat16", np.dtype(np.uint16)),
+        DType(8, "int8", np.dtype(np.int8)),
+        DType(9, "bool", np.dtype(np.bool_)),
+        DType(10, "complex64", np.dtype(np.complex64)),
+        DType(11, "complex128", np.dtype(np.complex128)),
+        DType(12, "int16", np.dtype(np.int16)),
     )
 }
 DTYPE_BY_CODE: Final[dict[int, DType]] = {d.code: d for d in DTYPES.values()}
 
-REDUCTIONS: Final[tuple[str, ...]] = ("sum", "avg", "max", "min", "prod")
+REDUCTIONS: Final[tuple[str, ...]] = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
 REDUCTION_CODES: Final[dict[str, int]] = {name: i + 1 for i, name in enumerate(REDUCTIONS)}
 
 _UFUNCS: Final[dict[str, np.ufunc]] = {
@@ -70,7 +87,33 @@ _UFUNCS: Final[dict[str, np.ufunc]] = {
     "max": np.maximum,
     "min": np.minimum,
     "prod": np.multiply,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
 }
+_BOOL_UFUNCS: Final[dict[str, np.ufunc]] = {  # torch's meaning for bool tensors
+    "sum": np.logical_or,
+    "max": np.logical_or,
+    "prod": np.logical_and,
+    "min": np.logical_and,
+    "band": np.logical_and,
+    "bor": np.logical_or,
+    "bxor": np.logical_xor,
+}
+
+
+def reduction_refused(dtype: DType, op: str) -> str | None:
+    """Why ``op`` cannot reduce ``dtype`` (None: it can), for the caller's UsageError."""
+    if op not in REDUCTIONS:
+        return f"op={op!r} is not a reduction; use one of {', '.join(REDUCTIONS)}"
+    if op == "avg" and dtype.is_integral:
+        return (f"op='avg' needs a floating or complex dtype, x is {dtype.name}; use 'sum' "
+                "and divide")  # fmt: skip
+    if op in ("band", "bor", "bxor") and not dtype.is_integral:
+        return f"op={op!r} needs integers or bool, x is {dtype.name}"
+    if op in ("max", "min") and dtype.is_complex:
+        return f"op={op!r} needs real numbers, x is {dtype.name} (complex numbers have no order)"
+    return None
 
 
 def _bf16_to_f32(bits: NDArray[np.uint16]) -> NDArray[np.float32]:
@@ -101,7 +144,7 @@ def combine(
     payload a sum keeps), so an algorithm in which two ranks combine the same two operands
     must give them in the same order on both, e.g. lower rank first.
     """
-    ufunc = _UFUNCS[op]
+    ufunc = _BOOL_UFUNCS[op] if dtype.name == "bool" else _UFUNCS[op]
     first, second = (incoming, acc) if incoming_first else (acc, incoming)
     if dtype.name == "bfloat16":
         widened = ufunc(_bf16_to_f32(first), _bf16_to_f32(second))  # type: ignore[arg-type]
@@ -115,12 +158,15 @@ def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int
     (integers: exactly, rounding toward zero; the communicator accepts ``avg`` for floats only)."""
     if op != "avg" or world_size == 1:
         return
-    if not dtype.is_float:  # exact integer division, rounding toward zero as C does
+    if dtype.is_integral:  # exact integer division, rounding toward zero as C does
         ints: NDArray[Any] = values
         inexact = np.remainder(ints, world_size) != 0
         np.floor_divide(ints, world_size, out=ints)
         ints += (inexact & (ints < 0)).astype(ints.dtype)
     elif dtype.name == "bfloat16":
         _f32_to_bf16(_bf16_to_f32(values) / np.float32(world_size), values)  # type: ignore[arg-type]
+    elif dtype.is_complex:  # each part by the real n: rounded once, unlike a complex division
+        parts = values.view(np.float32 if dtype.name == "complex64" else np.float64)
+        np.divide(parts, world_size, out=parts, casting="unsafe")
     else:
         np.divide(values, world_size, out=values, casting="unsafe")

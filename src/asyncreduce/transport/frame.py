@@ -66,9 +66,9 @@ MAX_NAME_BYTES: Final = 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 30
 MAX_ERROR_BYTES: Final = 64 << 10
 MAX_STEP: Final = 1 << 20
-_KIND_CODES: Final = range(1, 6)
-_DTYPE_CODES: Final = range(1, 8)
-_REDUCE_CODES: Final = range(0, 6)
+_KIND_CODES: Final = range(1, 11)  # algorithms.KINDS
+_DTYPE_CODES: Final = range(1, 13)  # algorithms.DTYPES
+_REDUCE_CODES: Final = range(0, 9)  # 0: none, else algorithms.REDUCTION_CODES
 
 
 class FrameError(Exception):

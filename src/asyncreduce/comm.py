@@ -300,6 +300,24 @@ class Communicator:
         plan = self._exchange("p2p", buf, {}, {src: buf.flat}, lambda: buf.original, src)
         return self._submit(plan, None, priority, timeout, _p2p_key(src, self.rank, tag))
 
+    def _post_exchange(
+        self, kind: str, anchor: Any, sends: dict[int, Any], recvs: dict[int, Any], root: int,
+        timeout: float | None, count: int | None = None,
+    ) -> Request[None]:  # fmt: skip
+        """An unnamed direct exchange of arrays or tensors of ``anchor``'s dtype (the torch
+        backend's gather, scatter and all-to-all); its count is ``anchor``'s, or ``count``."""
+        buf = as_buffer(anchor, "x", inplace=False, copy=False)
+        out = {r: self._same_kind(as_buffer(x, "output"), buf).flat for r, x in recvs.items()}
+        into = {r: self._same_kind(as_buffer(x, "input", inplace=False, copy=False), buf).flat
+                for r, x in sends.items()}  # fmt: skip
+        plan = self._exchange(kind, buf, into, out, lambda: None, root, count)
+        return self._submit(plan, None, 0, timeout)
+
+    def _same_kind(self, buf: Buffer, like: Buffer) -> Buffer:
+        if buf.dtype != like.dtype:
+            raise UsageError(f"every tensor must be {like.dtype.name}; one is {buf.dtype.name}")
+        return buf
+
     # ---- groups --------------------------------------------------------------------------
 
     def group(self, ranks: Sequence[int]) -> Communicator:

@@ -4,6 +4,7 @@ import asyncreduce.torch as art
 model = art.DataParallel(module, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                          mode="forward")
 art.iallreduce(comm, cuda_tensor, name="x").wait()    # CPU: no copy; CUDA: staged
+dist.init_process_group("asyncreduce")                 # registered on import: DDP, dist.*
 """
 
 try:
@@ -17,8 +18,11 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - exercised in a tor
         name="torch",
     ) from None
 
+from .backend import communicator, register
 from .data_parallel import MODES, DataParallel
 from .optimizer import DataParallelOptimizer
 from .staging import iallreduce
 
-__all__ = ["DataParallel", "DataParallelOptimizer", "MODES", "iallreduce"]
+register()  # dist.init_process_group("asyncreduce")
+
+__all__ = ["DataParallel", "DataParallelOptimizer", "MODES", "communicator", "iallreduce"]

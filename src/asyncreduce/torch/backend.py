@@ -1,0 +1,422 @@
+"""asyncreduce as a torch.distributed backend: ``dist.init_process_group("asyncreduce")``.
+
+Theory of operation. ``import asyncreduce.torch`` registers the backend. When torch creates a
+process group of it, ``_create`` gets torch's store (already scoped to that group), the
+group's rank and size and the global ranks in it, and returns an ``AsyncReduceProcessGroup``
+(a pure-Python ``torch.distributed.ProcessGroup``):
+
+* the first group of a process connects a communicator through torch's store (no second store
+  is served; see bootstrap.connect); every later group is a ``Communicator.group`` of it, so
+  every group shares the process's connections: one per pair of ranks, however many groups;
+* each group posts its operations on a group of its own, unnamed, so they are matched by
+  order as torch's API requires, and never mix with the communicator's own unnamed operations;
+* a collective turns torch's arguments into one of the communicator's operations on numpy
+  views of the tensors (no copy where the layouts allow), and returns a ``Work`` whose
+  ``wait()`` waits for it and whose ``get_future()`` is completed with the output tensors
+  (an error is set on the future), as Gloo's are.
+
+``communicator(group)`` hands out the communicator behind a group, so ``DataParallel`` and
+``dist.*`` can share one set of connections.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import bootstrap
+from ..c10d_store import C10dStore
+from ..comm import Communicator
+from ..engine import Settings
+from ..errors import UsageError
+from ..launchers import Place, Rendezvous
+from ..request import Request, wait_all
+
+__all__ = ["AsyncReduceProcessGroup", "communicator", "register"]
+
+BACKEND = "asyncreduce"
+_OPS = {
+    dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
+}  # fmt: skip
+
+
+class _Work(dist._Work):  # type: ignore[misc, name-defined]
+    """torch's handle of one operation: ``wait`` and ``get_future`` as Gloo's behave."""
+
+    def __init__(self, requests: Sequence[Request[Any]], outputs: list[Any],
+                 finish: Callable[[], None] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self._requests = list(requests)
+        self._outputs = outputs
+        self._finish = finish  # copies results into place, once, after the requests are done
+        self._lock = threading.RLock()  # a closed communicator runs callbacks inline
+        self._future: torch.futures.Future[Any] | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else None
+        wait_all(self._requests, seconds)
+        self._done()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                pending = [len(self._requests)]
+                for request in self._requests:
+                    request.add_done_callback(lambda r: self._settle(r, pending))
+                if not self._requests:
+                    self._future.set_result(self._outputs)
+        return self._future
+
+    def _settle(self, request: Any, pending: list[int]) -> None:
+        future = self._future
+        assert future is not None
+        error = request.exception()
+        with self._lock:
+            pending[0] -= 1
+            last = pending[0] == 0
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        elif last:
+            try:
+                self._done()
+            except Exception as exc:  # noqa: BLE001 - torch's future carries it
+                future.set_exception(exc)
+                return
+            future.set_result(self._outputs)
+
+    def _done(self) -> None:
+        with self._lock:
+            finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def is_completed(self) -> bool:
+        return all(r.done() for r in self._requests)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(r.exception() is None for r in self._requests)
+
+    def exception(self) -> Any:
+        errors = [r.exception() for r in self._requests if r.done()]
+        return next((e for e in errors if e is not None), None)
+
+    def result(self) -> list[Any]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+    """One torch process group, run by a group of an asyncreduce communicator."""
+
+    def __init__(self, comm: Communicator, rank: int, size: int, timeout: float,
+                 owns: Communicator | None = None) -> None:  # fmt: skip
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._comm = comm
+        self._timeout = timeout
+        self._owns = owns  # the communicator this group connected, closed with it
+
+    # ---- what torch asks of a process group ------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _get_backend(self, device: torch.device) -> Any:
+        return self  # FSDP2 and DeviceMesh ask; this group serves every device it runs on
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        op = _reduction(opts)
+        requests = [self._comm.iallreduce(t, op, timeout=self._timeout) for t in _cpu(tensors)]
+        return _Work(requests, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        root = opts.rootRank if opts is not None else 0
+        requests = [self._comm.ibroadcast(t, root, timeout=self._timeout) for t in _cpu(tensors)]
+        return _Work(requests, tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> _Work:  # fmt: skip
+        (outs,), (x,) = outputs, _cpu(inputs)
+        request = self._comm.iallgather(x, timeout=self._timeout)
+        return _Work([request], outputs, lambda: _copy_rows(request.result(), outs))
+
+    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> _Work:
+        (x,) = _cpu([x])
+        request = self._comm.iallgather(x, timeout=self._timeout)
+        return _Work([request], [output], lambda: _copy_rows(request.result(), [output]))
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> _Work:  # fmt: skip
+        works = [self.allgather([o], [i]) for o, i in zip(outputs, inputs, strict=True)]
+        return _joined(works, outputs)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> _Work:
+        works = [self._allgather_base(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return _joined(works, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> _Work:  # fmt: skip
+        (out,), (ins,) = outputs, inputs
+        stacked = torch.cat([t.reshape(-1) for t in _cpu(ins)])
+        return self._reduce_scatter(out, stacked, _reduction(opts), outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, x: torch.Tensor,
+                             opts: Any = None) -> _Work:  # fmt: skip
+        (x,) = _cpu([x])
+        return self._reduce_scatter(output, x.reshape(-1), _reduction(opts), [output])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> _Work:
+        pairs = zip(outputs, inputs, strict=True)
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in pairs]
+        return _joined(works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str,
+                        outputs: list[torch.Tensor]) -> _Work:  # fmt: skip
+        size = self._comm.world_size
+        request = self._comm.ireduce_scatter(flat.reshape(size, -1), op, inplace=False,
+                                             timeout=self._timeout)  # fmt: skip
+        return _Work([request], outputs, lambda: _copy(request.result(), out))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        root, op = opts.rootRank, _reduction(opts)
+        requests = [self._comm.ireduce(t, op, root, timeout=self._timeout) for t in _cpu(tensors)]
+        return _Work(requests, tensors)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> _Work:  # fmt: skip
+        (x,), root = _cpu(inputs), opts.rootRank
+        comm = self._comm
+        if comm.rank != root:
+            return _Work([comm._post_exchange("gather", x, {root: x}, {}, root, self._timeout)],
+                         outputs)  # fmt: skip
+        (outs,) = outputs
+        recvs = {r: t for r, t in enumerate(_cpu(outs)) if r != root}
+        _copy(x, outs[root])
+        return _Work([comm._post_exchange("gather", x, {}, recvs, root, self._timeout)], outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> _Work:  # fmt: skip
+        (out,), root = _cpu(outputs), opts.rootRank
+        comm = self._comm
+        if comm.rank != root:
+            return _Work([comm._post_exchange("scatter", out, {}, {root: out}, root,
+                                              self._timeout)], outputs)  # fmt: skip
+        (ins,) = inputs
+        sends = {r: t for r, t in enumerate(_cpu(ins)) if r != root}
+        _copy(ins[root], out)
+        return _Work([comm._post_exchange("scatter", out, sends, {}, root, self._timeout)], outputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> _Work:  # fmt: skip
+        me = self._comm.rank
+        outs, ins = _cpu(outputs), _cpu(inputs)
+        _copy(ins[me], outs[me])
+        sends = {r: t for r, t in enumerate(ins) if r != me}
+        recvs = {r: t for r, t in enumerate(outs) if r != me}
+        anchor = ins[me] if ins[me].numel() else ins[0]
+        request = self._comm._post_exchange("alltoall", anchor, sends, recvs, 0, self._timeout,
+                                            count=0)  # fmt: skip
+        return _Work([request], outputs)
+
+    def alltoall_base(self, output: torch.Tensor, x: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> _Work:  # fmt: skip
+        size = self._comm.world_size
+        outs = _split(output, output_split_sizes, size)
+        ins = _split(_cpu([x])[0], input_split_sizes, size)
+        work = self.alltoall(outs, ins, opts)
+        return _Work(work._requests, [output])
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return _Work([self._comm.ibarrier(timeout=self._timeout)], [])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        requests = [self._comm.isend(t, dst, tag=tag, timeout=self._timeout) for t in _cpu(tensors)]
+        return _Work(requests, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        requests = [self._comm.irecv(t, src, tag=tag, timeout=self._timeout) for t in _cpu(tensors)]
+        return _Work(requests, tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
+        raise UsageError(
+            "recv from any source is not supported by the asyncreduce backend (operations are "
+            "matched by source, destination and tag): pass src="
+        )
+
+    def shutdown(self) -> None:
+        self._comm.close()
+        if self._owns is not None:
+            _forget(self._owns)
+            self._owns.close()
+
+    def abort(self) -> None:
+        self._comm.abort("torch.distributed aborted the process group")
+        if self._owns is not None:
+            _forget(self._owns)
+
+    def __repr__(self) -> str:
+        return f"<AsyncReduceProcessGroup rank {self._comm.rank} of {self._comm.world_size}>"
+
+
+def _reduction(opts: Any) -> str:
+    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    found = _OPS.get(op.op if hasattr(op, "op") else op)
+    if found is None:
+        raise UsageError(f"the asyncreduce backend cannot reduce with {op}; it takes "
+                         "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR")  # fmt: skip
+    return found
+
+
+def _cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise UsageError(f"the asyncreduce backend runs CPU tensors; got one on {t.device}")
+        if not t.is_contiguous():
+            raise UsageError("the asyncreduce backend needs contiguous tensors")
+    return list(tensors)
+
+
+def _copy(source: Any, target: torch.Tensor) -> None:
+    """``target[...] = source`` for a tensor or numpy array ``source`` of the same size."""
+    data = source if isinstance(source, torch.Tensor) else torch.from_numpy(np.asarray(source))
+    with torch.no_grad():
+        target.view(-1).copy_(data.reshape(-1).view(target.dtype) if data.dtype != target.dtype
+                              and data.element_size() == target.element_size()
+                              else data.reshape(-1))  # fmt: skip
+
+
+def _copy_rows(gathered: Any, outputs: list[torch.Tensor]) -> None:
+    """An allgather's (world, ...) result into the outputs: one per rank, or one flat tensor."""
+    rows = gathered.reshape(len(outputs), -1) if len(outputs) > 1 else gathered.reshape(1, -1)
+    for row, out in zip(rows, outputs, strict=True):
+        _copy(row, out)
+
+
+def _split(t: torch.Tensor, sizes: list[int], parts: int) -> list[torch.Tensor]:
+    """all_to_all_single's tensor in ``parts`` row blocks (even, or of the sizes given)."""
+    if not sizes:
+        if t.shape[0] % parts:
+            raise UsageError(f"all_to_all_single: {t.shape[0]} rows do not split {parts} ways")
+        sizes = [t.shape[0] // parts] * parts
+    return list(torch.split(t, sizes))
+
+
+def _joined(works: list[_Work], outputs: list[Any]) -> _Work:
+    finishes = [w._finish for w in works if w._finish is not None]
+    requests = [r for w in works for r in w._requests]
+
+    def finish() -> None:
+        for f in finishes:
+            f()
+
+    return _Work(requests, outputs, finish)
+
+
+# ---- creating process groups -----------------------------------------------------------------
+
+_WORLD: dict[str, tuple[Communicator, tuple[int, ...]]] = {}  # "comm": (it, its global ranks)
+_GROUPS: dict[int, Communicator] = {}  # id(process group) -> its communicator
+_LOCK = threading.Lock()
+
+
+def _create(options: Any, backend_options: Any) -> AsyncReduceProcessGroup:
+    """torch's call for each new process group of this backend (extended API)."""
+    rank, size = options.group_rank, options.group_size
+    timeout = options.timeout.total_seconds()
+    members = tuple(int(r) for r in options.global_ranks_in_group) or tuple(range(size))
+    owns = None
+    with _LOCK:
+        found = _WORLD.get("comm")
+        if found is None or found[0]._closed or not set(members) <= set(found[1]):
+            owns = _connect(options.store, rank, size, timeout)
+            if found is None or found[0]._closed:
+                _WORLD["comm"] = (owns, members)
+            base, base_members = owns, members
+        else:
+            base, base_members = found
+    group = base.group([base_members.index(m) for m in members])
+    pg = AsyncReduceProcessGroup(group, rank, size, timeout, owns)
+    _GROUPS[id(pg)] = group
+    return pg
+
+
+def _forget(comm: Communicator) -> None:
+    with _LOCK:
+        if _WORLD.get("comm", (None,))[0] is comm:
+            del _WORLD["comm"]
+
+
+def _connect(store: Any, rank: int, size: int, timeout: float) -> Communicator:
+    """A communicator for the first group, through torch's store (scoped to that group)."""
+    place = Place(rank, size, None, None, "torch.distributed", Rendezvous("agent"))
+    deadline = time.monotonic() + timeout
+    return bootstrap.connect(C10dStore(store, timeout, _store_host(store)), place, deadline,
+                             Settings.from_env(), serving=False)  # fmt: skip
+
+
+def _store_host(store: Any) -> str | None:
+    """Where torch's store serves (our listeners take the address on the route to it)."""
+    while store is not None:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    import os
+
+    return os.environ.get("MASTER_ADDR")
+
+
+def communicator(group: Any = None) -> Communicator:
+    """The communicator behind an asyncreduce process group (default: the default group):
+    ``DataParallel`` on it shares the group's connections."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    found = _GROUPS.get(id(pg))
+    if found is None:
+        raise UsageError(f"{pg!r} is not a process group of the asyncreduce backend")
+    return found._parent or found
+
+
+def register() -> None:
+    """Make "asyncreduce" a torch.distributed backend (done by ``import asyncreduce.torch``)."""
+    if BACKEND in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+

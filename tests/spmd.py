@@ -44,12 +44,16 @@ def _rank_main(
     args: tuple[Any, ...],
     out: Any,
     env: dict[str, str],
+    connect: bool = True,
 ) -> None:
     os.environ["ASYNCREDUCE_TEST_RANK"] = str(rank)
     os.environ.update(env)
     try:
-        with ar.init(rank, n, "127.0.0.1", port, timeout=30) as comm:
-            result = body(comm, *args)
+        if connect:
+            with ar.init(rank, n, "127.0.0.1", port, timeout=30) as comm:
+                result = body(comm, *args)
+        else:
+            result = body(rank, n, port, *args)
         out.put((rank, True, result))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
@@ -65,20 +69,23 @@ def run_ranks(
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
     daemon: bool = True,
+    connect: bool = True,
 ) -> dict[int, Any]:
     """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}.
 
     ``env`` is set in every rank before it joins (e.g. ASYNCREDUCE_SHM=0 for TCP only), then
     ``rank_env[rank]`` in that rank only. ``daemon=False`` lets ranks start processes of
     their own (multiprocessing refuses that to daemons); they are killed at the deadline
-    either way."""
+    either way. ``connect=False``: no communicator is made; ``body(rank, n, port, *args)``
+    joins however it likes (``port`` is free for its store)."""
     port = free_port()
     out = _CTX.Queue()
     started = ranks if ranks is not None else range(n)
     procs = {
         r: _CTX.Process(
             target=_rank_main,
-            args=(r, n, port, body, args, out, {**(env or {}), **(rank_env or {}).get(r, {})}),
+            args=(r, n, port, body, args, out, {**(env or {}), **(rank_env or {}).get(r, {})},
+                  connect),
             daemon=daemon,
         )
         for r in started

@@ -268,9 +268,33 @@ def run_loader(comm: ar.Communicator, key: str, mode: str) -> dict[str, Any]:
     return {"state": state_of(model.module), "ddp": state_of(ddp.module), "steps": steps}
 
 
+def run_join(comm: ar.Communicator, key: str, mode: str) -> dict[str, Any]:
+    """Uneven inputs: rank r trains on 3 + 2r batches, under our join() and under DDP's Join
+    (the same loop); both must end with the same parameters and buffers on every rank."""
+    from torch.distributed.algorithms.join import Join
+
+    habits, rank, world = Habits(key), comm.rank, comm.world_size
+    batches = [batch(world, t, 0) for t in range(3 + 2 * rank)]
+    model, optimizer, scheduler = ours(comm, habits, mode, rank)
+    ddp = DDP(make_model(rank))
+    ddp_opt = make_optimizer(habits.optimizer)(ddp.parameters())
+    ddp_sched = make_scheduler(habits.optimizer, ddp_opt)
+    for m, opt, sched, joined in ((model, optimizer, scheduler, model.join()),
+                                  (ddp, ddp_opt, ddp_sched, Join([ddp]))):  # fmt: skip
+        with joined:
+            for x, y in batches:
+                opt.zero_grad()
+                F.cross_entropy(m(shard(x, rank)), shard(y, rank)).backward()
+                opt.step()
+                sched.step()
+    model.close()
+    return {"state": state_of(model.module), "ddp": state_of(ddp.module)}
+
+
 RUNNERS: dict[str, Callable[[ar.Communicator, str, str], dict[str, Any]]] = {
     "ckpt": run_checkpoint,
     "loader": run_loader,
+    "join": run_join,
 }
 
 
@@ -285,7 +309,7 @@ def run_one(comm: ar.Communicator, key: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         got = runner(comm, key, mode)
     got["warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-    if "state" in got and "ddp" not in got and "refused" not in got:
+    if "state" in got and "ddp" not in got and "refused" not in got:  # DDP run here
         reference_mode = "double_buffer" if "double_buffer" in key.split("/")[-1] else mode
         if key.startswith("ckpt/"):
             reference_mode = "double_buffer" if key.endswith("double_buffer") else "backward"
@@ -318,6 +342,7 @@ def keys_for(world: int) -> list[str]:
     keys += ["ckpt/backward>forward", "ckpt/forward>forward", "ckpt/ddp>forward",
              "ckpt/forward>ddp", "ckpt/double_buffer>double_buffer"]  # fmt: skip
     keys += ["nobuffers/backward", "nobuffers/forward", "loader/forward"]
+    keys += [f"join/{m}" for m in EXACT]
     if world > 2:  # the costlier world: every rule, fewer repetitions of it
         keys = [k for k in keys if not k.startswith(("adam/blocking", "acc/blocking"))]
     return keys

@@ -36,7 +36,7 @@ from .cma import CrossMemory
 from .comm import Communicator
 from .engine import Engine, Settings
 from .errors import UsageError
-from .launchers import Place, detect
+from .launchers import Place, Rendezvous, detect
 from .rendezvous import PrefixStore, Store, TCPStore, gather, store_from_env_or_args
 from .transport.shm import Arena, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport, connect_mesh
@@ -60,7 +60,9 @@ def init(
 ) -> Communicator:
     """Join the job and connect to every other rank.
 
-    Anything not given comes from the launcher: ``asyncreduce run``, torchrun (through the
+    Inside an initialized torch.distributed job (``dist.init_process_group`` first), and with
+    no argument given, the ranks meet in that job's store. Otherwise anything not given comes
+    from the launcher: ``asyncreduce run``, torchrun (through the
     store its agent serves), srun, mpirun (Open MPI, MPICH/Hydra, MVAPICH, PMIx; on one host
     nothing more is needed, across hosts either MASTER_ADDR/MASTER_PORT or mpi4py), or RANK,
     WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand. ``init_method`` may be
@@ -68,12 +70,24 @@ def init(
     incomplete or contradicts itself, and TimeoutError naming the ranks that did not join
     within ``timeout`` seconds.
     """
-    place = detect(rank, world_size, master_addr, master_port, init_method)
+    explicit = (rank, world_size, master_addr, master_port, init_method) != (None,) * 5
+    torch_job = None if explicit else _torch_job()
+    if torch_job is not None:  # inside a torch.distributed job: meet in its store
+        store, torch_rank, torch_world = torch_job
+        place = _in_torch_job(torch_rank, torch_world)
+    else:
+        place = detect(rank, world_size, master_addr, master_port, init_method)
     if place.world_size == 1:
         log.info("rank 0 of 1 joined (launcher: %s): nobody to talk to", place.launcher)
         return Communicator(0, 1, None)
     settings = Settings.from_env()  # a bad value fails here, before anyone waits for us
     deadline = time.monotonic() + timeout
+    if torch_job is not None:
+        from .c10d_store import C10dStore
+
+        shared = C10dStore(torch_job[0], timeout, os.environ.get("MASTER_ADDR"))
+        return connect(PrefixStore(_namespace(place), shared), place, deadline, settings,
+                       serving=False)  # fmt: skip
     store, serving = _open_store(place, timeout)
     try:
         return connect(PrefixStore(_namespace(place), store), place, deadline, settings,
@@ -82,10 +96,33 @@ def init(
         store.close()
 
 
+def _torch_job() -> tuple[object, int, int] | None:
+    """(store, rank, world size) of an initialized torch.distributed job, if this is one."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return store, dist.get_rank(), dist.get_world_size()
+
+
+def _in_torch_job(rank: int, world_size: int) -> Place:
+    """A torch job's place: its rank and size, the local ones from its launcher if it said."""
+    try:
+        launched = detect(env=os.environ)
+        local = (launched.local_rank, launched.local_world_size)
+        launcher = f"torch.distributed ({launched.launcher})"
+    except UsageError:
+        local, launcher = (None, None), "torch.distributed"
+    return Place(rank, world_size, *local, launcher, Rendezvous("agent"))
+
+
 def _namespace(place: Place) -> str:
     """Where this rendezvous keeps its keys: a store of our own is new for every init, but
-    torchrun's lives as long as the job, so each init there gets keys of its own (numbered
-    per process: every rank calls init as often) under the attempt's restart count."""
+    torchrun's (or a torch job's) lives as long as the job, so each init there gets keys of
+    its own (numbered per process: every rank calls init as often) under the attempt's
+    restart count."""
     if place.rendezvous.kind != "agent":
         return "asyncreduce/"
     return f"asyncreduce/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_INITS)}/"

@@ -135,6 +135,18 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return BACKEND
 
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
     def _get_backend(self, device: torch.device) -> Any:
         return self  # FSDP2 and DeviceMesh ask; this group serves every device it runs on
 
@@ -174,7 +186,9 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> _Work:  # fmt: skip
-        works = [self.allgather([o], [i]) for o, i in zip(outputs, inputs, strict=True)]
+        # outputs[r][j]: input j of rank r
+        works = [self.allgather([[per_rank[j] for per_rank in outputs]], [x])
+                 for j, x in enumerate(inputs)]  # fmt: skip
         return _joined(works, outputs)
 
     def allgather_into_tensor_coalesced(
@@ -183,7 +197,7 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         works = [self._allgather_base(o, i) for o, i in zip(outputs, inputs, strict=True)]
         return _joined(works, outputs)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> _Work:  # fmt: skip
@@ -203,7 +217,7 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         works = [self._reduce_scatter_base(o, i, opts) for o, i in pairs]
         return _joined(works, outputs)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     reduce_scatter_single = _reduce_scatter_base
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str,
@@ -266,6 +280,15 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any = None) -> _Work:
         return _Work([self._comm.ibarrier(timeout=self._timeout)], [])
+
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:  # fmt: skip
+        """A barrier that names the ranks that did not reach it within ``timeout``."""
+        seconds = timeout.total_seconds() if timeout else self._timeout
+        try:
+            self._comm.ibarrier(timeout=seconds).wait()
+        except Exception as exc:
+            raise RuntimeError(f"monitored_barrier: {exc}") from exc
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
         requests = [self._comm.isend(t, dst, tag=tag, timeout=self._timeout) for t in _cpu(tensors)]

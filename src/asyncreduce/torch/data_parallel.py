@@ -53,6 +53,7 @@ from ..errors import ClosedError, UsageError
 from ..request import Request
 from ..trace import Timeline
 from .buckets import Bucket, Update, layer_groups, size_groups
+from .join import Joining
 from .optimizer import DataParallelOptimizer
 from .replicas import BufferSync, broadcast_bytes, broadcast_parameters, check_same_everywhere
 from .staging import stager_for
@@ -104,6 +105,7 @@ class DataParallel(nn.Module):
         self._stats = CommStats()
         self._closed = False
         self._first_forward = mode == "forward"  # see _watch_first_forward
+        self._joining = Joining(self)
         named = list(module.named_parameters())  # frozen ones too: DDP syncs those as well
         self._params = [p for _, p in named if p.requires_grad]
         self._names = {id(p): n for n, p in named}
@@ -111,7 +113,7 @@ class DataParallel(nn.Module):
             stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         check_same_everywhere(comm, named, "parameter")
-        broadcast_parameters(comm, [p for _, p in named], self._prefix)
+        broadcast_parameters(comm, [p for _, p in named], f"{self._prefix}.init")
         self._buffer_sync = BufferSync(comm, module, self._prefix, broadcast_buffers)
         if broadcast_buffers:
             check_same_everywhere(comm, list(module.named_buffers()), "buffer")
@@ -233,7 +235,10 @@ class DataParallel(nn.Module):
         self._check_open("forward")
         start = time.perf_counter()
         self._pass_open = False  # a backward that raised never ran its final callback
-        self._buffer_sync.before_forward()
+        root = 0  # whose buffers count: rank 0, or under join() the highest still training
+        if self._joining.active:
+            root = self._joining.notify(self._buffer_sync.due, self._sync)
+        self._buffer_sync.before_forward(root)
         settle = self._watch_first_forward() if self._first_forward else None
         self._first_forward = False
         try:
@@ -307,6 +312,35 @@ class DataParallel(nn.Module):
             for b in self._buckets:
                 b.update = None
             self._apply_all(pending)
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Uneven inputs, as DDP's ``Join``: wrap the training loop; a rank whose data ends
+        first shadows the others' communication until every rank's has, then every rank takes
+        the final model of the last to finish (see join.py). One backward per forward."""
+        self._check_open("join")
+        self._joining.active = True
+        try:
+            yield
+        except BaseException:
+            self._joining.active = False
+            raise
+        self._joining.active = False
+        self._joining.shadow_until_all_joined()
+
+    def _shadow_backward(self) -> None:
+        """join(): the synced backward pass of the ranks still training, with zeros here."""
+        saved = [p.grad for p in self._params]
+        _clear(self._params)
+        self._open_pass()
+        self._end_pass()  # every bucket posted with flag 0; blocking/backward wait here
+        for bucket in self._buckets:
+            update, bucket.inflight = bucket.inflight, None
+            if update is not None:
+                self._gradients(bucket, update)
+        for p, g in zip(self._params, saved, strict=True):
+            p.grad = g
+        self._passes = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -51,13 +51,15 @@ def check_same_everywhere(
                 )
 
 
-def broadcast_parameters(comm: Communicator, params: list[nn.Parameter], prefix: str) -> None:
-    """Rank 0's values everywhere (once, blocking), each tensor broadcast as its bytes, in
-    place on the CPU (no copy), through a host copy elsewhere."""
+def broadcast_parameters(
+    comm: Communicator, params: list[nn.Parameter], name: str, root: int = 0
+) -> None:
+    """``root``'s values everywhere (blocking), each tensor broadcast as its bytes, in place
+    on the CPU (no copy), through a host copy elsewhere."""
     with torch.no_grad():
         hosts = [_bytes_of(p.data if p.device.type == "cpu" else p.detach().cpu()) for p in params]
         requests = [
-            comm.ibroadcast(h, root=0, name=f"{prefix}.init{i}") for i, h in enumerate(hosts)
+            comm.ibroadcast(h, root=root, name=f"{name}{i}") for i, h in enumerate(hosts)
         ]
         for r in requests:
             r.wait()
@@ -66,15 +68,17 @@ def broadcast_parameters(comm: Communicator, params: list[nn.Parameter], prefix:
                 _write_bytes(p, torch.from_numpy(h))
 
 
-def broadcast_bytes(comm: Communicator, tensors: list[torch.Tensor], name: str) -> None:
-    """Rank 0's contents of ``tensors`` everywhere: one broadcast per device, of their bytes."""
+def broadcast_bytes(
+    comm: Communicator, tensors: list[torch.Tensor], name: str, root: int = 0
+) -> None:
+    """``root``'s contents of ``tensors`` everywhere: one broadcast per device, of their bytes."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     for device, group in sorted(by_device.items(), key=lambda item: str(item[0])):
         with torch.no_grad():
             flat = torch.cat([torch.from_numpy(_bytes_of(t.data.cpu())) for t in group])
-            comm.broadcast(flat.numpy(), root=0, name=f"{name}.{device}")
+            comm.broadcast(flat.numpy(), root=root, name=f"{name}.{device}")
             offset = 0
             for t in group:
                 n = t.numel() * t.element_size()
@@ -108,11 +112,20 @@ class BufferSync:
     def buffers(self) -> list[torch.Tensor]:
         return [b for _, b in self._module.named_buffers()]
 
-    def before_forward(self) -> None:
-        if self.enabled and self._due:
-            found = self.buffers()  # looked up each time: a buffer may have been reassigned
-            if found:
-                broadcast_bytes(self._comm, found, self._name)
+    @property
+    def due(self) -> bool:
+        """Whether the next forward broadcasts (DDP's rule, see the module docstring)."""
+        return self.enabled and self._due
+
+    def before_forward(self, root: int = 0) -> None:
+        """``root``: rank 0, or under ``join()`` the highest rank still training (DDP's)."""
+        if self.due:
+            self.broadcast(root)
+
+    def broadcast(self, root: int) -> None:
+        found = self.buffers()  # looked up each time: a buffer may have been reassigned
+        if found:
+            broadcast_bytes(self._comm, found, self._name, root)
 
     def after_forward(self, synced_backward: bool) -> None:
         self._due = torch.is_grad_enabled() and synced_backward

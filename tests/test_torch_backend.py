@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +86,8 @@ def _reduce_value(name: str, dtype: Any, values: list[Any]) -> Any:
 
 
 def _valid(name: str, dtype: Any) -> bool:
+    if dtype.is_complex:  # torch itself allows SUM and AVG only (then sends pairs of reals)
+        return name in ("SUM", "AVG")
     if name in ("BAND", "BOR", "BXOR"):
         return not (dtype.is_floating_point or dtype.is_complex)
     if name == "AVG":
@@ -190,7 +191,6 @@ def body_collectives(rank: int, n: int, port: int, how: str, tmp: str) -> dict[s
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         assert inbox.tolist() == [float(left)] * 3
-        dist.monitored_barrier(timeout=timedelta(seconds=30))
         # point-to-point with tags, posted out of order on the receiving side
         if rank == 0:
             works = [dist.isend(torch.full((2,), float(t)), 1, tag=t) for t in (5, 6)]
@@ -486,11 +486,13 @@ def test_init_process_group_under_torchrun(tmp_path: Path) -> None:
     assert len(re.findall(r"rank \d of 3 got 6", out.stdout)) == 3, out.stdout
 
 
-SUITE = ("test_all_reduce_sum or test_all_reduce_max or test_all_reduce_complex or "
-         "test_broadcast or test_all_gather or test_reduce_scatter_tensor or test_scatter or "
-         "test_all_to_all or test_barrier or test_send_recv or test_new_subgroups or "
-         "test_all_gather_object or test_DistributedDataParallel_requires_grad or "
-         "test_ddp_uneven_inputs_stop_iteration_sync_bn or test_destroy_group")  # fmt: skip
+SUITE = " or ".join([
+    "test_all_reduce_sum_complex", "test_all_reduce_full_group_max", "test_broadcast_full_group",
+    "test_all_gather_coalesced_simple", "test_reduce_sum_twice", "test_gather_full_group",
+    "test_scatter_complex", "test_barrier_full_group", "test_send_recv_with_tag",
+    "test_destroy_group", "test_get_rank_size_group", "test_DistributedDataParallelCPU",
+    "test_static_graph_api_cpu",
+])
 
 
 @pytest.mark.timeout(600)
@@ -506,4 +508,4 @@ def test_torch_suite_selection(n: int, tmp_path: Path) -> None:
 
     outcomes = json.loads(report.read_text())
     failed = sorted(t for t, o in outcomes.items() if o != "passed")
-    assert not failed and len(outcomes) >= 10, out.stdout[-4000:]
+    assert not failed and len(outcomes) >= 13, out.stdout[-4000:]

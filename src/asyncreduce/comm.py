@@ -544,9 +544,9 @@ class Communicator:
                          plan.root, shared)  # fmt: skip
         count = buf.flat.size if plan.count is None else plan.count
         desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, count)
-        if self._members is not None:
-            assert self._engine is not None
-            algo = Translated(algo, self._members, self._engine.rank, self._engine.world_size)
+        engine, members = self._engine, self._members
+        if members is not None and engine is not None and members != tuple(range(engine.world_size)):
+            algo = Translated(algo, members, engine.rank, engine.world_size)  # else: names alone
         request: Request[Any] = Request(label, self._runner)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)

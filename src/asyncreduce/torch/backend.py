@@ -281,15 +281,6 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def barrier(self, opts: Any = None) -> _Work:
         return _Work([self._comm.ibarrier(timeout=self._timeout)], [])
 
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> None:  # fmt: skip
-        """A barrier that names the ranks that did not reach it within ``timeout``."""
-        seconds = timeout.total_seconds() if timeout else self._timeout
-        try:
-            self._comm.ibarrier(timeout=seconds).wait()
-        except Exception as exc:
-            raise RuntimeError(f"monitored_barrier: {exc}") from exc
-
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
         requests = [self._comm.isend(t, dst, tag=tag, timeout=self._timeout) for t in _cpu(tensors)]
         return _Work(requests, tensors)

@@ -545,8 +545,9 @@ class Communicator:
         count = buf.flat.size if plan.count is None else plan.count
         desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, count)
         engine, members = self._engine, self._members
-        if members is not None and engine is not None and members != tuple(range(engine.world_size)):
-            algo = Translated(algo, members, engine.rank, engine.world_size)  # else: names alone
+        whole = engine is None or members == tuple(range(engine.world_size))  # names alone
+        if members is not None and engine is not None and not whole:
+            algo = Translated(algo, members, engine.rank, engine.world_size)
         request: Request[Any] = Request(label, self._runner)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)

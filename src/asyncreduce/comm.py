@@ -46,6 +46,7 @@ from .algorithms import (
     Collective,
     Exchange,
     PeerMemory,
+    RenumberedMemory,
     Translated,
     build,
     reduction_refused,
@@ -97,6 +98,7 @@ class Communicator:
         self._engine = engine
         self._one_host = one_host and engine is not None  # every peer shares memory with us
         self._cross = cross if self._one_host else None  # ordinary buffers read in place too
+        self._cross_reader: PeerMemory | None = self._cross  # a group: in its numbering
         self._clock_origin = time.perf_counter()  # a world of one: now; else set by init
         self._windows = Windows()
         self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
@@ -343,6 +345,11 @@ class Communicator:
         view._runner, view._parent, view._members = root._runner, root, engine_ranks
         view._prefix = f"{self._prefix}grp-{digest}-{instance}/"
         view._clock_origin = self._clock_origin
+        if root._one_host and root._cross is not None:  # read the members' memory in place
+            whole = root._engine is None or engine_ranks == tuple(range(root.world_size))
+            view._one_host, view._cross = True, root._cross
+            renumbered = RenumberedMemory(root._cross, engine_ranks)
+            view._cross_reader = root._cross if whole else renumbered
         return view
 
     # ---- shared windows ------------------------------------------------------------------
@@ -568,8 +575,9 @@ class Communicator:
         if found is not None:  # the window's number in the descriptor: all ranks agree
             window, offset = found
             return window.ident, (offset, window.memory)
-        if self._cross is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
-            return CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross)
+        if self._cross_reader is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
+            assert self._cross is not None
+            return CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross_reader)
         return None
 
 

@@ -83,7 +83,8 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
         self._generation = forks.generation()
-        self.set_running_or_notify_cancel()
+        self._state = concurrent.futures._base.RUNNING  # (what set_running_or_notify_cancel
+        # does to a new future, without taking its lock: a post is on every hot path)
 
     def wait(self, timeout: float | None = None) -> T:
         """The result, once the operation completes; raises its error, or TimeoutError."""

@@ -22,7 +22,7 @@ from .reduction import (
 )
 from .ring import Ring
 from .shared import PeerMemory, SharedAllreduce, WindowMemory
-from .translated import Translated
+from .translated import RenumberedMemory, Translated
 from .tree import TreeBroadcast
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "SMALL_ALLREDUCE_BYTES",
     "PeerMemory",
     "Send",
+    "RenumberedMemory",
     "SharedAllreduce",
     "Translated",
     "WindowMemory",

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .base import Array, Collective, ProtocolError, Send
+from .shared import PeerBuffer, PeerMemory
 
-__all__ = ["Translated"]
+__all__ = ["RenumberedMemory", "Translated"]
 
 
 class Translated(Collective):
@@ -64,3 +65,14 @@ class Translated(Collective):
 
     def _out(self, sends: list[Send]) -> list[Send]:
         return [s._replace(dst=self._members[s.dst]) for s in sends]
+
+
+class RenumberedMemory:
+    """The communicator's ``PeerMemory`` (cross-memory attach) seen with a group's ranks."""
+
+    def __init__(self, inner: PeerMemory, members: Sequence[int]) -> None:
+        self.inner = inner
+        self._members = tuple(members)
+
+    def buffer(self, peer: int, where: int, like: Array) -> PeerBuffer:
+        return self.inner.buffer(self._members[peer], where, like)

@@ -42,10 +42,13 @@ from ..request import Request, wait_all
 __all__ = ["AsyncReduceProcessGroup", "communicator", "register"]
 
 BACKEND = "asyncreduce"
-_OPS = {
-    dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
-    dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
-    dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
+_OPS: dict[int, str] = {
+    int(op): name  # type: ignore[call-overload]  # (pybind enums are ints at run time)
+    for op, name in (
+        (dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.PRODUCT, "prod"),
+        (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.BAND, "band"),
+        (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"),
+    )
 }  # fmt: skip
 
 
@@ -63,8 +66,12 @@ class _Work(dist._Work):  # type: ignore[misc, name-defined]
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if timeout else None
-        wait_all(self._requests, seconds)
-        self._done()
+        if len(self._requests) == 1:
+            self._requests[0].wait(seconds)
+        else:
+            wait_all(self._requests, seconds)
+        if self._finish is not None:
+            self._done()
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
@@ -127,7 +134,11 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                  owns: Communicator | None = None) -> None:  # fmt: skip
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._comm = comm
-        self._timeout = timeout
+        # torch's process-group timeout bounds the rendezvous; operations get no deadline of
+        # their own (among torch's backends only Gloo has one): a lost or silent peer is named
+        # by the engine's liveness within ASYNCREDUCE_PEER_TIMEOUT, and a deadline per
+        # operation would cost every small one a heap entry
+        self._timeout: float | None = None
         self._owns = owns  # the communicator this group connected, closed with it
 
     # ---- what torch asks of a process group ------------------------------------------------
@@ -159,9 +170,8 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return False
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        op = _reduction(opts)
-        requests = [self._comm.iallreduce(t, op, timeout=self._timeout) for t in _cpu(tensors)]
-        return _Work(requests, tensors)
+        op = _reduction(opts)  # (the communicator checks each tensor: CPU, contiguous)
+        return _Work([self._comm.iallreduce(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
@@ -311,8 +321,10 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
 
 def _reduction(opts: Any) -> str:
-    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-    found = _OPS.get(op.op if hasattr(op, "op") else op)
+    if opts is None:
+        return "sum"
+    op = opts.reduceOp
+    found = _OPS.get(int(op.op))
     if found is None:
         raise UsageError(f"the asyncreduce backend cannot reduce with {op}; it takes "
                          "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR")  # fmt: skip

@@ -49,7 +49,9 @@ def _rank_main(
     os.environ["ASYNCREDUCE_TEST_RANK"] = str(rank)
     os.environ.update(env)
     try:
-        if connect:
+        if connect and env.get("ASYNCREDUCE_TEST_BACKEND") == "torch":
+            result = _over_torch(rank, n, port, body, args)
+        elif connect:
             with ar.init(rank, n, "127.0.0.1", port, timeout=30) as comm:
                 result = body(comm, *args)
         else:
@@ -57,6 +59,65 @@ def _rank_main(
         out.put((rank, True, result))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
+
+
+def _over_torch(rank: int, n: int, port: int, body: Callable[..., Any], args: tuple) -> Any:
+    """``body`` on a communicator over a torch.distributed Gloo job (backend="torch")."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    try:
+        with ar.init(backend="torch", timeout=30) as comm:
+            return body(comm, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def mpi_available() -> bool:
+    import importlib.util
+    import shutil
+
+    return shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+def _run_under_mpirun(
+    n: int, body: Callable[..., Any], args: tuple[Any, ...], timeout: float,
+    env: dict[str, str], expect_dead: frozenset[int],
+) -> dict[int, Any]:  # fmt: skip
+    """``body`` on n ranks started by a real mpirun, each over ar.init(backend="mpi")."""
+    import pickle  # (test harness only: files between this process and its children)
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "job"), "wb") as f:
+            pickle.dump((body, args), f)
+        cmd = ["mpirun", "-n", str(n), "--allow-run-as-root", "--oversubscribe",
+               "--mca", "btl_tcp_if_include", "lo", sys.executable,
+               os.path.join(os.path.dirname(__file__), "mpi_rank.py"), tmp]  # fmt: skip
+        full_env = {**os.environ, **env, "ASYNCREDUCE_BACKEND": "mpi",
+                    "PYTHONPATH": os.path.dirname(__file__)}  # fmt: skip
+        try:
+            done = subprocess.run(cmd, env=full_env, timeout=timeout, capture_output=True,
+                                  text=True)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"mpirun did not finish within {timeout} s") from None
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for r in range(n):
+            path = os.path.join(tmp, f"out.{r}")
+            if not os.path.exists(path):
+                if r not in expect_dead:
+                    errors[r] = f"no result (mpirun said {done.returncode}):\n{done.stderr[-3000:]}"
+                continue
+            with open(path, "rb") as f:
+                ok, value = pickle.load(f)
+            (results if ok else errors)[r] = value
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return results
 
 
 def run_ranks(
@@ -70,6 +131,7 @@ def run_ranks(
     rank_env: dict[int, dict[str, str]] | None = None,
     daemon: bool = True,
     connect: bool = True,
+    backend: str = "native",
 ) -> dict[int, Any]:
     """Run ``body`` on ranks 0..n-1 (or only ``ranks``); return {rank: result}.
 
@@ -77,7 +139,12 @@ def run_ranks(
     ``rank_env[rank]`` in that rank only. ``daemon=False`` lets ranks start processes of
     their own (multiprocessing refuses that to daemons); they are killed at the deadline
     either way. ``connect=False``: no communicator is made; ``body(rank, n, port, *args)``
-    joins however it likes (``port`` is free for its store)."""
+    joins however it likes (``port`` is free for its store). ``backend``: "native", "torch"
+    (a Gloo job, then ar.init(backend="torch")) or "mpi" (a real mpirun, backend="mpi")."""
+    if backend == "mpi":
+        return _run_under_mpirun(n, body, args, timeout, env or {}, expect_dead)
+    if backend == "torch":
+        env = {**(env or {}), "ASYNCREDUCE_TEST_BACKEND": "torch"}
     port = free_port()
     out = _CTX.Queue()
     started = ranks if ranks is not None else range(n)

@@ -57,6 +57,9 @@ def init(
     *,
     init_method: str | None = None,
     timeout: float = 30.0,
+    backend: str | None = None,
+    comm: object = None,
+    group: object = None,
 ) -> Communicator:
     """Join the job and connect to every other rank.
 
@@ -69,7 +72,25 @@ def init(
     ``tcp://host:port`` or ``file:///shared/dir``. Raises UsageError when the environment is
     incomplete or contradicts itself, and TimeoutError naming the ranks that did not join
     within ``timeout`` seconds.
+
+    ``backend`` (default: ASYNCREDUCE_BACKEND, else "native"): "native" is our own engine;
+    "mpi" runs the same operations over mpi4py (``comm``: a communicator, COMM_WORLD by
+    default); "torch" over a group of an initialized torch.distributed job (``group``, its
+    WORLD by default: gloo, nccl, ...). See docs/engines.md.
     """
+    chosen = backend or os.environ.get("ASYNCREDUCE_BACKEND") or "native"
+    if chosen not in ("native", "mpi", "torch"):
+        raise UsageError(f"backend={chosen!r} is not one of native, mpi, torch")
+    if comm is not None and chosen != "mpi" or group is not None and chosen != "torch":
+        raise UsageError("comm= is for backend='mpi' and group= for backend='torch'")
+    if chosen == "mpi":
+        from .ordered.connect import connect_mpi
+
+        return connect_mpi(comm, timeout)
+    if chosen == "torch":
+        from .ordered.connect import connect_torch
+
+        return connect_torch(group, timeout)
     explicit = (rank, world_size, master_addr, master_port, init_method) != (None,) * 5
     torch_job = None if explicit else _torch_job()
     if torch_job is not None:  # inside a torch.distributed job: meet in its store

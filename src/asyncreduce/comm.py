@@ -54,6 +54,7 @@ from .algorithms import (
 from .buffers import Buffer, as_buffer
 from .cma import CrossMemory
 from .engine import Engine, Operation
+from .ordered.engine import OrderedEngine, Posted
 from .errors import BrokenError, ClosedError, UsageError
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
@@ -87,7 +88,7 @@ class Communicator:
         self,
         rank: int,
         world_size: int,
-        engine: Engine | None,
+        engine: Engine | OrderedEngine | None,
         one_host: bool = False,
         cross: CrossMemory | None = None,
         local: tuple[int, int] = (0, 1),
@@ -96,6 +97,7 @@ class Communicator:
         self.world_size = world_size
         self.local_rank, self.local_world_size = local  # among the ranks on this host
         self._engine = engine
+        self._ordered = engine if isinstance(engine, OrderedEngine) else None
         self._one_host = one_host and engine is not None  # every peer shares memory with us
         self._cross = cross if self._one_host else None  # ordinary buffers read in place too
         self._cross_reader: PeerMemory | None = self._cross  # a group: in its numbering
@@ -291,6 +293,7 @@ class Communicator:
         self._check_peer(dst, "dst")
         buf = as_buffer(x, "x", inplace=False, copy=False)
         plan = self._exchange("p2p", buf, {dst: buf.flat}, {}, lambda: None, self.rank)
+        plan.tag = tag
         return self._submit(plan, None, priority, timeout, _p2p_key(self.rank, dst, tag))
 
     def irecv(
@@ -300,6 +303,7 @@ class Communicator:
         self._check_peer(src, "src")
         buf = as_buffer(x, "x")
         plan = self._exchange("p2p", buf, {}, {src: buf.flat}, lambda: buf.original, src)
+        plan.tag = tag
         return self._submit(plan, None, priority, timeout, _p2p_key(src, self.rank, tag))
 
     def _post_exchange(
@@ -332,6 +336,10 @@ class Communicator:
                              f"got {list(members)}")  # fmt: skip
         if self.rank not in members:
             raise UsageError(f"rank {self.rank} is not in the group {list(members)}")
+        if self._ordered is not None:
+            raise UsageError("groups are not offered over backend='mpi' or 'torch' in this "
+                             "release: make the sub-communicator there (MPI Comm.Split, "
+                             "torch's new_group) and init a communicator on it")
         with self._key_lock:
             instance = self._groups[members]
             self._groups[members] = instance + 1
@@ -504,7 +512,7 @@ class Communicator:
     ) -> _Plan:  # fmt: skip
         """A direct exchange of ``sends`` and ``recvs`` (see algorithms/exchange.py)."""
         algo = Exchange(self.rank, self.world_size, sends, recvs)
-        return _Plan(kind, buf, result, None, root, algo, count)
+        return _Plan(kind, buf, result, None, root, algo, count, sends, recvs)
 
     def _next_key(self, name: str | None) -> tuple[bytes, int]:
         if name is not None and (not isinstance(name, str) or not name):
@@ -543,6 +551,8 @@ class Communicator:
         key = self._next_key(name if key_name is None else key_name)
         label = f"{kind} {name or key_name!r}#{key[1]}" if name or key_name else f"{kind} #{key[1]}"
         reduce = REDUCTION_CODES[plan.op] if plan.op else 0
+        if self._ordered is not None:
+            return self._submit_ordered(plan, key, label, reduce, priority, timeout)
         root, algo = plan.root, plan.algo
         if algo is None:
             plane = self._shared_plane(kind, buf)
@@ -564,6 +574,24 @@ class Communicator:
             return request
         operation = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
         self._engine.submit(operation)
+        return request
+
+    def _submit_ordered(
+        self, plan: _Plan, key: tuple[bytes, int], label: str, reduce: int, priority: int,
+        timeout: float | None,
+    ) -> Request[Any]:  # fmt: skip
+        """Hand an operation to an ordered engine (MPI, torch.distributed): it runs there as
+        an engine call once every rank posted it (see ordered/)."""
+        assert self._ordered is not None
+        buf = plan.buf
+        count = buf.flat.size if plan.count is None else plan.count
+        desc = Descriptor(KINDS[plan.kind], buf.dtype.code, reduce, plan.root, count)
+        request: Request[Any] = Request(label, self._runner)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
+        posted = Posted(key, label, desc, plan.kind, buf.flat, buf.dtype, plan.op, plan.root,
+                        request, plan.result, priority, timeout, plan.sends, plan.recvs, plan.tag)  # fmt: skip
+        self._ordered.submit(posted)
         return request
 
     def _shared_plane(self, kind: str, buf: Buffer) -> tuple[int, tuple[int, PeerMemory]] | None:
@@ -600,6 +628,9 @@ class _Plan:
     root: int = 0
     algo: Collective | None = None
     count: int | None = None
+    sends: dict[int, Array] | None = None  # a direct exchange's own buffers (ordered engines)
+    recvs: dict[int, Array] | None = None
+    tag: int | None = None  # point-to-point
 
 
 def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:

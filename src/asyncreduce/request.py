@@ -83,6 +83,8 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
         self._generation = forks.generation()
+        self.on_wait: Callable[[], object] | None = None  # set by a device engine: orders
+        # the waiting thread's GPU stream after the result (see ordered/torchdist.py)
         self._state = concurrent.futures._base.RUNNING  # (what set_running_or_notify_cancel
         # does to a new future, without taking its lock: a post is on every hot path)
 
@@ -94,7 +96,7 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 "can complete it (its progress thread does not run in a child)"
             )
         try:
-            return self.result(timeout)
+            result = self.result(timeout)
         except concurrent.futures.TimeoutError:
             if self.done():
                 raise  # the operation itself timed out
@@ -102,6 +104,9 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 f"{self.label} not complete after {timeout} s; it goes on (wait again, or pass "
                 "timeout= to the call to make the operation itself give up)"
             ) from None
+        if self.on_wait is not None:
+            self.on_wait()
+        return result
 
     def set_result(self, result: T) -> None:
         """Complete with ``result`` (the engine's call), stamping ``completed_at``."""

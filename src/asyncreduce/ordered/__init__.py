@@ -1,0 +1,8 @@
+"""Backends over engines that need one order of collectives on every rank (MPI, torch.distributed).
+
+``agreement.py`` (sans-IO) makes the ranks agree which posted operations are ready everywhere
+and in which order; ``channel.py`` carries its messages; ``engine.py`` is the one thread that
+owns the engine; ``mpi.py`` and ``torchdist.py`` turn agreed operations into engine calls;
+``connect.py`` builds a communicator over them (``ar.init(backend=...)``). docs/engines.md
+explains the protocol and measures it.
+"""

@@ -1,0 +1,104 @@
+"""``ar.init(backend="mpi")`` and ``ar.init(backend="torch")``: a communicator over an ordered
+engine. Each rank's place comes from the engine's own communicator (no store, no launcher
+variables needed); one INFO line says what was chosen."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from ..comm import Communicator
+from ..engine import Settings
+from ..errors import UsageError
+from .engine import OrderedEngine
+from .native import NativeEndpoint
+
+__all__ = ["connect_mpi", "connect_torch"]
+
+log = logging.getLogger("asyncreduce.comm")
+
+
+def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
+    """A communicator over ``comm`` (an mpi4py communicator; COMM_WORLD by default)."""
+    from .mpi import MpiAdapter, check_thread_level
+
+    check_thread_level()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise UsageError(f"comm must be an mpi4py communicator, got {comm!r}")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = _mpi_local(comm)
+    if size == 1:
+        return Communicator(0, 1, None, local=local)
+    control = os.environ.get("ASYNCREDUCE_CONTROL") or "mpi"
+    if control not in ("mpi", "native"):
+        raise UsageError(f"ASYNCREDUCE_CONTROL={control!r}: expected mpi or native")
+    endpoint = None
+    if control == "native":
+        world = list(comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group()))
+        endpoint = NativeEndpoint(_native(timeout), world.__getitem__)
+    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint), Settings.from_env())
+    return _started(Communicator(rank, size, engine, local=local), "mpi", timeout)
+
+
+def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
+    """A communicator over ``group`` of an initialized torch.distributed job (its WORLD by
+    default). Collective over the job's default group: a Gloo group of ``group``'s ranks is
+    made beside it, for the control messages (every rank of the job must call this)."""
+    import torch.distributed as dist
+
+    from .torchdist import TorchAdapter
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError("backend='torch' needs torch.distributed.init_process_group(...) first")
+    group = dist.group.WORLD if group is None else group
+    ranks = dist.get_process_group_ranks(group)
+    backend = str(dist.get_backend(group))
+    host = group if "gloo" in backend or "mpi" in backend else dist.new_group(ranks, backend="gloo")
+    native = _native(timeout)  # (collective over the job, like new_group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        native.close()
+        raise UsageError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
+    if size == 1:
+        native.close()
+        return Communicator(0, 1, None)
+    endpoint = NativeEndpoint(native, ranks.__getitem__)
+    engine = OrderedEngine(rank, size, lambda: TorchAdapter(group, host, endpoint),
+                           Settings.from_env())  # fmt: skip
+    return _started(Communicator(rank, size, engine), "torch", timeout)
+
+
+def _native(timeout: float) -> Communicator:
+    """A native communicator of the whole job, for the control channel."""
+    from ..bootstrap import init
+
+    return init(timeout=timeout, backend="native")
+
+
+def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
+    """Agree on a clock origin (one barrier) and say what was chosen."""
+    comm.barrier(name="asyncreduce/start", timeout=timeout)
+    comm._clock_origin = time.perf_counter()
+    engine = comm._ordered
+    assert engine is not None and engine.adapter is not None
+    control = type(engine.adapter.endpoint).__name__.replace("Endpoint", "").lower()
+    log.info("rank %d of %d joined over backend=%r: the %s engine, control messages on %s, "
+             "allreduces fused up to %d bytes", comm.rank, comm.world_size, backend,
+             engine.adapter.name, control, engine.fusion_bytes)  # fmt: skip
+    return comm
+
+
+def _mpi_local(comm: Any) -> tuple[int, int]:
+    """This rank's place among the ranks of ``comm`` on its host."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()

@@ -1,0 +1,229 @@
+"""The MPI engine (mpi4py): what ``ar.init(backend="mpi")`` runs on.
+
+Theory of operation. Every MPI call is made by the ordered engine's thread: it duplicates
+the caller's communicator three times (agreed collectives and exchanges; the control
+channel; the caller's point-to-point sends and receives, with their own tags), issues
+non-blocking calls and tests them, which is what lets Open MPI progress a posted
+``Iallreduce`` while the caller computes. MPI must therefore run at MPI_THREAD_SERIALIZED or
+higher (mpi4py asks for MPI_THREAD_MULTIPLE by default, so the caller's own MPI calls keep
+working beside ours).
+
+Types and reductions MPI has built in go to MPI as they are; the ones it lacks (float16,
+bfloat16) reduce through a user-defined operation that combines exactly as the native engine
+does (algorithms/reduction.py). bool reduces as torch means it (sum and max are "or").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..algorithms import DType
+from ..algorithms.reduction import combine
+from ..errors import UsageError
+from .channel import Endpoint
+from .engine import Posted, Running
+
+__all__ = ["MpiAdapter", "check_thread_level"]
+
+_SLOT = 64 << 10
+_EXCHANGE_TAG = 1
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise UsageError(
+            "backend='mpi' needs mpi4py: pip install 'asyncreduce[mpi]' (and an MPI library, "
+            f"e.g. apt install openmpi-bin libopenmpi-dev): {exc}"
+        ) from None
+    return MPI
+
+
+def check_thread_level() -> None:
+    """UsageError unless MPI runs at MPI_THREAD_SERIALIZED or higher (initializing it if not)."""
+    mpi = _mpi()
+    level = mpi.Query_thread()
+    if level < mpi.THREAD_SERIALIZED:
+        names = {mpi.THREAD_SINGLE: "SINGLE", mpi.THREAD_FUNNELED: "FUNNELED"}
+        raise UsageError(
+            f"MPI was initialized at MPI_THREAD_{names.get(level, level)}; asyncreduce's thread "
+            "makes every MPI call, which needs MPI_THREAD_SERIALIZED or higher: leave "
+            "mpi4py.rc.thread_level at its default ('multiple') before importing mpi4py.MPI"
+        )
+
+
+class _Calls:
+    """Non-blocking MPI requests that finish together (``done`` tests them all)."""
+
+    def __init__(self, requests: list[Any], keep: Any = None, after: Any = None) -> None:
+        self._requests = requests
+        self._keep = keep  # buffers MPI reads or writes until done
+        self._after = after
+
+    def done(self) -> bool:
+        mpi = _mpi()
+        if not mpi.Request.Testall(self._requests):
+            return False
+        if self._after is not None:
+            self._after()
+        return True
+
+
+class _Receive:
+    """A point-to-point receive that checks the sender sent what was expected."""
+
+    def __init__(self, request: Any, expected: int, what: str) -> None:
+        self._request, self._expected, self._what = request, expected, what
+        self._status = _mpi().Status()
+
+    def done(self) -> bool:
+        if not self._request.Test(self._status):
+            return False
+        got = self._status.Get_count(_mpi().BYTE)
+        if got != self._expected:
+            raise ValueError(f"{self._what}: {got} bytes came, {self._expected} were expected "
+                             "(the ranks posted different sizes)")  # fmt: skip
+        return True
+
+
+class MpiEndpoint:
+    """Control-channel slots as MPI messages on a communicator of their own."""
+
+    slot = _SLOT
+    exact = False
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+        self._recvs: list[Any] = []
+
+    def isend(self, peer: int, data: bytes) -> Any:
+        return self._comm.Isend([data, _mpi().BYTE], peer, 0), data
+
+    def irecv(self, peer: int, buffer: bytearray) -> Any:
+        request = self._comm.Irecv([buffer, _mpi().BYTE], peer, 0)
+        self._recvs.append(request)
+        return request
+
+    def test(self, handle: Any) -> int | None:
+        mpi = _mpi()
+        if isinstance(handle, tuple):  # a send
+            return 0 if handle[0].Test() else None
+        status = mpi.Status()
+        if not handle.Test(status):
+            return None
+        self._recvs.remove(handle)
+        return int(status.Get_count(mpi.BYTE))
+
+    def cancel(self) -> None:
+        for request in self._recvs:
+            request.Cancel()
+            request.Wait()
+        self._recvs.clear()
+
+
+class MpiAdapter:
+    """Agreed operations as MPI calls; built on the ordered engine's thread."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, endpoint: Endpoint | None = None) -> None:
+        mpi = _mpi()
+        self._mpi = mpi
+        self._data, self._control, self._p2p = comm.Dup(), comm.Dup(), comm.Dup()
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.endpoint: Endpoint = endpoint or MpiEndpoint(self._control)
+        self._ops: dict[tuple[str, str], Any] = {}
+        self._types: dict[int, Any] = {}
+
+    def start(self, op: Posted, flat: Any) -> Running:
+        mpi, comm, kind = self._mpi, self._data, op.kind
+        if kind == "allreduce":
+            buf = self._buffer(flat, op.dtype)
+            return _Calls([comm.Iallreduce(mpi.IN_PLACE, buf, self._op(op.dtype, op.op))], flat)
+        if kind == "broadcast":
+            return _Calls([comm.Ibcast(self._buffer(flat, op.dtype), op.root)], flat)
+        if kind == "allgather":
+            buf = self._buffer(flat, op.dtype, flat.size // self.world_size)  # (per rank)
+            return _Calls([comm.Iallgather(mpi.IN_PLACE, buf)], flat)
+        if kind == "reduce_scatter":
+            mine = flat.reshape(self.world_size, -1)[self.rank]
+            whole = flat.copy()
+            request = comm.Ireduce_scatter_block(self._buffer(whole, op.dtype),
+                                                 self._buffer(mine, op.dtype),
+                                                 self._op(op.dtype, op.op))  # fmt: skip
+            return _Calls([request], (whole, flat))
+        if kind == "reduce":
+            red = self._op(op.dtype, op.op)
+            if self.rank == op.root:
+                request = comm.Ireduce(mpi.IN_PLACE, self._buffer(flat, op.dtype), red, op.root)
+            else:
+                request = comm.Ireduce(self._buffer(flat, op.dtype), None, red, op.root)
+            return _Calls([request], flat)
+        if kind == "barrier":
+            return _Calls([comm.Ibarrier()])
+        if kind == "p2p":
+            return self._point_to_point(op)
+        return self._exchange(op)
+
+    def _exchange(self, op: Posted) -> Running:
+        """gather, scatter, alltoall: the exchange's sends and receives, in agreed order."""
+        comm, byte = self._data, self._mpi.BYTE
+        requests = [comm.Isend([a, byte], p, _EXCHANGE_TAG) for p, a in (op.sends or {}).items()]
+        requests += [comm.Irecv([a, byte], p, _EXCHANGE_TAG) for p, a in (op.recvs or {}).items()]
+        return _Calls(requests, op)
+
+    def _point_to_point(self, op: Posted) -> Running:
+        byte = self._mpi.BYTE
+        if op.sends:
+            (peer, array), = op.sends.items()
+            return _Calls([self._p2p.Isend([array, byte], peer, op.tag)], array)
+        (peer, array), = (op.recvs or {}).items()
+        request = self._p2p.Irecv([array, byte], peer, op.tag)
+        return _Receive(request, array.nbytes, op.label)
+
+    def _buffer(self, flat: Any, dtype: DType, count: int | None = None) -> Any:
+        """``flat`` as an MPI buffer (``count`` elements of it where MPI wants a count per
+        rank); float16 and bfloat16 have no MPI type: whole elements of raw bytes."""
+        if dtype.name in ("float16", "bfloat16"):
+            if dtype.itemsize not in self._types:
+                self._types[dtype.itemsize] = self._mpi.BYTE.Create_contiguous(dtype.itemsize)
+                self._types[dtype.itemsize].Commit()
+            return [flat, flat.size if count is None else count, self._types[dtype.itemsize]]
+        return flat
+
+    def _op(self, dtype: DType, op: str | None) -> Any:
+        mpi, name = self._mpi, op or "sum"
+        if dtype.name == "bool":
+            return {"sum": mpi.LOR, "max": mpi.LOR, "bor": mpi.LOR, "prod": mpi.LAND,
+                    "min": mpi.LAND, "band": mpi.LAND, "bxor": mpi.LXOR}[name]  # fmt: skip
+        if dtype.name not in ("float16", "bfloat16"):
+            return {"sum": mpi.SUM, "avg": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN,
+                    "prod": mpi.PROD, "band": mpi.BAND, "bor": mpi.BOR, "bxor": mpi.BXOR}[name]  # fmt: skip
+        found = self._ops.get((dtype.name, name))
+        if found is None:
+            found = mpi.Op.Create(_combiner(dtype, name), commute=True)
+            self._ops[(dtype.name, name)] = found
+        return found
+
+    def close(self) -> None:
+        self.endpoint.cancel()
+        for op in self._ops.values():
+            op.Free()
+        for kind in self._types.values():
+            kind.Free()
+        for comm in (self._data, self._control, self._p2p):
+            comm.Free()
+
+
+def _combiner(dtype: DType, op: str) -> Any:
+    """A user-defined MPI reduction: inout = in (op) inout, exactly as the native engine."""
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        incoming = np.frombuffer(inbuf, dtype=dtype.storage)
+        acc = np.frombuffer(inoutbuf, dtype=dtype.storage)
+        combine(dtype, op, acc, incoming, incoming_first=True)
+
+    return reduce

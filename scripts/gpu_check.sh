@@ -25,9 +25,9 @@ if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_availab
   exit 3
 fi
 
-echo "== pytest tests/test_torch_cuda.py (timeout ${GPU_CHECK_TIMEOUT:-420} s)"
+echo "== pytest tests/test_torch_cuda.py tests/test_engines_cuda.py (timeout ${GPU_CHECK_TIMEOUT:-420} s)"
 timeout -k 10 "${GPU_CHECK_TIMEOUT:-420}" \
-  .venv/bin/python -m pytest tests/test_torch_cuda.py -v -rs -p no:cacheprovider
+  .venv/bin/python -m pytest tests/test_torch_cuda.py tests/test_engines_cuda.py -v -rs -p no:cacheprovider
 rc=$?
 case $rc in
   0) echo "gpu_check: PASSED (every CUDA test ran; skips, if any, are listed above)" ;;

@@ -116,7 +116,9 @@ def _run_under_mpirun(
                 ok, value = pickle.load(f)
             (results if ok else errors)[r] = value
     if errors:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        raise AssertionError(
+            "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        )
     return results
 
 

@@ -64,8 +64,12 @@ class Net:
         with deliveries, until nothing can move."""
         at = [0] * len(programs)
         while True:
-            movable = [r for r, prog in enumerate(programs) if at[r] < len(prog)
-                       and (prog[at[r]][0] == "post" or prog[at[r]][1].key in self.order[r])]
+            movable = [
+                r
+                for r, prog in enumerate(programs)
+                if at[r] < len(prog)
+                and (prog[at[r]][0] == "post" or prog[at[r]][1].key in self.order[r])
+            ]
             if not movable and not any(self.queues.values()):
                 return
             if movable and (not any(self.queues.values()) or self.rng.random() < 0.4):
@@ -83,7 +87,7 @@ def phased_programs(n: int, keys: int, phases: int, rng: random.Random) -> list[
     them (in its own order), then goes on: the shape of a training step."""
     names = [entry(f"k{i}", priority=rng.randrange(3)) for i in range(keys)]
     cut = sorted(rng.sample(range(1, keys), min(phases - 1, keys - 1))) if keys > 1 else []
-    groups = [names[a:b] for a, b in zip([0, *cut], [*cut, keys])]
+    groups = [names[a:b] for a, b in zip([0, *cut], [*cut, keys], strict=True)]
     programs = []
     for _ in range(n):
         prog: list = []
@@ -134,8 +138,10 @@ def test_a_rank_waiting_on_one_key_answers_rounds_that_others_start() -> None:
     then A's k2."""
     net = Net(2, random.Random(2), True)
     programs = [
-        [("post", entry("k1")), ("wait", entry("k1")), ("post", entry("k2")), ("wait", entry("k2"))],
-        [("post", entry("k2")), ("post", entry("k1")), ("wait", entry("k1")), ("wait", entry("k2"))],
+        [("post", entry("k1")), ("wait", entry("k1")), ("post", entry("k2")),
+         ("wait", entry("k2"))],
+        [("post", entry("k2")), ("post", entry("k1")), ("wait", entry("k1")),
+         ("wait", entry("k2"))],
     ]  # fmt: skip
     for seed in range(50):
         net = Net(2, random.Random(seed), True)

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
+
+import asyncreduce as ar
 import test_comm as tc
 import test_torch_dp as tdp
 from spmd import mpi_available, run_ranks
-
-import asyncreduce as ar
 
 BACKENDS = [
     pytest.param("mpi", marks=pytest.mark.skipif(not mpi_available(), reason="needs Open MPI")),
@@ -106,8 +106,17 @@ def test_a_send_and_recv_of_different_sizes_break_both_ranks(backend: str) -> No
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("body", [tc.body_timeout, tc.body_request_api, tc.body_usage,
-                                  tc.body_types, tc.body_reused_name, tc.body_close_pending])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        tc.body_timeout,
+        tc.body_request_api,
+        tc.body_usage,
+        tc.body_types,
+        tc.body_reused_name,
+        tc.body_close_pending,
+    ],
+)
 def test_the_native_request_usage_and_timeout_tests(backend: str, body) -> None:  # type: ignore[no-untyped-def]
     results = run_ranks(2, body, backend=backend, timeout=90)
     native = run_ranks(2, body, timeout=90)
@@ -204,7 +213,7 @@ def test_data_parallel_is_exact_in_every_mode(backend: str, key: str) -> None:
     if backend not in _DP:
         _DP[backend] = run_ranks(2, tdp.body_group, DP_KEYS, backend=backend, timeout=300)
     reports = [_DP[backend][r][key] for r in range(2)]
-    for rank, got in enumerate(reports):
+    for got in reports:
         assert "error" not in got, got.get("error")
     _, want = tdp.reference(key, 2)
     for got in reports:

@@ -20,7 +20,7 @@ import numpy as np
 from .algorithms import DTYPES, Array, DType
 from .errors import UsageError
 
-__all__ = ["Buffer", "as_buffer"]
+__all__ = ["Buffer", "as_buffer", "device_buffer"]
 
 _SUPPORTED = ", ".join(DTYPES)
 
@@ -53,6 +53,24 @@ def as_buffer(x: Any, what: str, *, inplace: bool = True, copy: bool = True) -> 
             f"array.array, ...); got {type(x).__name__}"
         ) from None
     return _buffer(x, view, what, inplace)
+
+
+def device_buffer(x: Any, what: str) -> Buffer | None:
+    """A torch tensor on a device (CUDA) as it is, for an engine that takes device memory
+    (backend="torch"); None for anything else. ``flat`` is then a flat tensor, not numpy."""
+    if not (type(x).__module__.startswith("torch") and hasattr(x, "device")):
+        return None
+    if x.device.type == "cpu":
+        return None
+    import torch
+
+    if not x.is_contiguous():
+        raise UsageError(f"{what} is not contiguous; pass {what}.contiguous() instead")
+    dtype = DTYPES.get(str(x.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise UsageError(f"{what} has dtype {x.dtype}; supported: {_SUPPORTED}")
+    torch.autograd.graph.increment_version(x)
+    return Buffer(x, x.detach().view(-1), tuple(x.shape), dtype, lambda a: a)
 
 
 def _read_only(x: Any, what: str) -> Buffer:

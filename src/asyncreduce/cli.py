@@ -78,6 +78,10 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.add_argument(
         "--grace", type=seconds, default=3.0, help="seconds between SIGTERM and SIGKILL"
     )
+    run.add_argument(
+        "--backend", choices=("native", "mpi", "torch"), default=None,
+        help="what ar.init() runs on (ASYNCREDUCE_BACKEND): mpi starts the ranks with mpirun",
+    )  # fmt: skip
     run.add_argument("program", nargs=argparse.REMAINDER, help="program (.py or command) and args")
     run.set_defaults(run_parser=run)
 
@@ -96,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         grace=args.grace,
+        backend=args.backend,
     )
 
 

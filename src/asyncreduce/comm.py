@@ -51,11 +51,11 @@ from .algorithms import (
     build,
     reduction_refused,
 )
-from .buffers import Buffer, as_buffer
+from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
 from .engine import Engine, Operation
-from .ordered.engine import OrderedEngine, Posted
 from .errors import BrokenError, ClosedError, UsageError
+from .ordered.engine import OrderedEngine, Posted
 from .request import CallbackRunner, Request
 from .transport.frame import MAX_NAME_BYTES, Descriptor
 from .window import WindowError, Windows
@@ -122,7 +122,7 @@ class Communicator:
         timeout: float | None = None, inplace: bool = True,
     ) -> Request[Any]:  # fmt: skip
         """Start reducing ``x`` over all ranks with ``op`` (sum, avg, max, min, prod)."""
-        buf = as_buffer(x, "x", inplace=inplace)
+        buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
         self._check_reduction(op, buf)
         return self._post("allreduce", buf, lambda: buf.original, op, 0, name, priority, timeout)
 
@@ -135,7 +135,7 @@ class Communicator:
         timeout: float | None = None, inplace: bool = True,
     ) -> Request[Any]:  # fmt: skip
         """Start copying ``x`` of rank ``root`` into ``x`` of every rank."""
-        buf = as_buffer(x, "x", inplace=inplace)
+        buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
         self._check_root(root)
         return self._post(
             "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
@@ -490,6 +490,16 @@ class Communicator:
                 "method; children that do not communicate (DataLoader workers) need nothing"
             )
 
+    def _on_device(self, x: Any, inplace: bool) -> Buffer | None:
+        """A CUDA tensor for an engine that takes it as it is (backend="torch"), else None."""
+        adapter = self._ordered.adapter if self._ordered is not None else None
+        if not getattr(adapter, "devices", False):
+            return None
+        buf = device_buffer(x, "x")
+        if buf is not None and not inplace:
+            raise UsageError("a CUDA tensor over backend='torch' is reduced in place only")
+        return buf
+
     def _check_reduction(self, op: str, buf: Buffer) -> None:
         refused = reduction_refused(buf.dtype, op)
         if refused is not None:
@@ -573,6 +583,7 @@ class Communicator:
             request.set_result(plan.result())
             return request
         operation = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+        assert isinstance(self._engine, Engine)
         self._engine.submit(operation)
         return request
 
@@ -584,13 +595,17 @@ class Communicator:
         an engine call once every rank posted it (see ordered/)."""
         assert self._ordered is not None
         buf = plan.buf
+        refuses = getattr(self._ordered.adapter, "refuses", None)
+        why = refuses(plan.kind, buf.dtype, plan.op) if refuses is not None else None
+        if why is not None:
+            raise UsageError(f"{label}: {why}")
         count = buf.flat.size if plan.count is None else plan.count
         desc = Descriptor(KINDS[plan.kind], buf.dtype.code, reduce, plan.root, count)
         request: Request[Any] = Request(label, self._runner)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
         posted = Posted(key, label, desc, plan.kind, buf.flat, buf.dtype, plan.op, plan.root,
-                        request, plan.result, priority, timeout, plan.sends, plan.recvs, plan.tag)  # fmt: skip
+                        request, plan.result, priority, timeout, plan.sends, plan.recvs, plan.tag)
         self._ordered.submit(posted)
         return request
 

@@ -64,14 +64,22 @@ def run(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     grace: float = 3.0,
+    backend: str | None = None,
 ) -> int:
-    """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc)."""
+    """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc).
+
+    ``backend`` is what ``ar.init()`` runs on in the ranks (ASYNCREDUCE_BACKEND); "mpi" hands
+    the job to ``mpirun``, since MPI ranks must be started by MPI's own launcher."""
     if nprocs < 1:
         raise UsageError(f"nprocs must be >= 1, got {nprocs}")
     if not argv:
         raise UsageError("no program to run: argv is empty")
     if grace < 0:
         raise UsageError(f"grace must be >= 0 seconds, got {grace}")
+    if backend is not None:
+        os.environ["ASYNCREDUCE_BACKEND"] = backend  # (the ranks inherit it)
+    if backend == "mpi":
+        return _run_mpirun(nprocs, argv)
     port = free_port(master_addr) if master_port is None else master_port
     job = _Job(grace)
     with _catching_signals(job.signals):
@@ -85,6 +93,17 @@ def run(
             return job.supervise()
         finally:
             job.reap()
+
+
+def _run_mpirun(nprocs: int, argv: Sequence[str]) -> int:
+    """``mpirun -n N prog``: MPI's launcher starts the ranks (as root, if we are root)."""
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        raise UsageError("--backend mpi needs mpirun on PATH (e.g. apt install openmpi-bin)")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command = ["mpirun", "-n", str(nprocs), *root, "--oversubscribe", *program_command(argv)]
+    return exit_code(subprocess.call(command))
 
 
 def program_command(argv: Sequence[str]) -> list[str]:

@@ -39,7 +39,9 @@ def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
         raise UsageError(f"ASYNCREDUCE_CONTROL={control!r}: expected mpi or native")
     endpoint = None
     if control == "native":
-        world = list(comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group()))
+        world = list(
+            comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group())
+        )
         endpoint = NativeEndpoint(_native(timeout), world.__getitem__)
     engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint), Settings.from_env())
     return _started(Communicator(rank, size, engine, local=local), "mpi", timeout)
@@ -53,8 +55,15 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
 
     from .torchdist import TorchAdapter
 
+    if dist.is_available() and not dist.is_initialized() and _launched():
+        import torch
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_available() or not dist.is_initialized():
-        raise UsageError("backend='torch' needs torch.distributed.init_process_group(...) first")
+        raise UsageError(
+            "backend='torch' needs torch.distributed.init_process_group(...) first "
+            "(or a launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+        )
     group = dist.group.WORLD if group is None else group
     ranks = dist.get_process_group_ranks(group)
     backend = str(dist.get_backend(group))
@@ -71,6 +80,11 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
     engine = OrderedEngine(rank, size, lambda: TorchAdapter(group, host, endpoint),
                            Settings.from_env())  # fmt: skip
     return _started(Communicator(rank, size, engine), "torch", timeout)
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun, asyncreduce run) said where torch.distributed meets."""
+    return all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _native(timeout: float) -> Communicator:

@@ -55,7 +55,7 @@ _LINGER = 2.0
 #: Agreed allreduces up to this many bytes each, of one dtype and reduction, run as one engine
 #: call of up to this many bytes (ASYNCREDUCE_FUSION_BYTES; 0: never). Chosen by measurement:
 #: docs/engines.md.
-FUSION_BYTES = 1 << 20
+FUSION_BYTES = 64 << 10
 _ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_CLASSES.items()}
 _BREAK_HEAD = struct.Struct("<BHQ")  # error class code, key name length, key instance
@@ -145,8 +145,9 @@ class OrderedEngine:
         self._warned: dict[Key, float] = {}
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(make_adapter,),
-                                        name=f"asyncreduce-ordered-{rank}", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, args=(make_adapter,), name=f"asyncreduce-ordered-{rank}", daemon=True
+        )
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
@@ -218,7 +219,8 @@ class OrderedEngine:
         last_event = time.monotonic()
         while True:
             busy = bool(self._posted or self._calls)
-            stop, took = self._take(block=not busy)
+            idle = not busy and time.monotonic() - last_event > self.settings.spin
+            stop, took = self._take(block=idle)  # (spin a while first: the next post is near)
             if stop:
                 return
             moved = took | self._poll_channel() | self._poll_calls()
@@ -228,7 +230,7 @@ class OrderedEngine:
             self._housekeeping(now)
             if busy and not moved and now - last_event > self.settings.spin:
                 time.sleep(_POLL)
-            elif busy and not moved:
+            elif not moved:
                 os.sched_yield()
 
     def _take(self, block: bool) -> tuple[bool, bool]:
@@ -392,7 +394,8 @@ class OrderedEngine:
         reason = body[_BREAK_HEAD.size + size :].decode(errors="replace")
         cls = _ERROR_CLASSES.get(code, BrokenError)
         op = self._posted.get((name, instance)) or next(
-            (o for c in self._calls for o in c.ops if o.key == (name, instance)), None)
+            (o for c in self._calls for o in c.ops if o.key == (name, instance)), None
+        )
         error = cls(f"{op.label if op else 'an operation'} failed on rank {peer}: {reason}"
                     if code != 3 else f"rank {peer} broke: {reason}")  # fmt: skip
         if op is not None:
@@ -404,8 +407,12 @@ class OrderedEngine:
         with self._lock:
             self._departed[peer] = why
         if self._posted:
-            self._break(BrokenError(f"{why} while rank {self.rank} had "
-                                    f"{next(iter(self._posted.values())).label} pending"))  # fmt: skip
+            self._break(
+                BrokenError(
+                    f"{why} while rank {self.rank} had "
+                    f"{next(iter(self._posted.values())).label} pending"
+                )
+            )
 
     # ---- time --------------------------------------------------------------------------------
 
@@ -427,12 +434,18 @@ class OrderedEngine:
     def _check_liveness(self, now: float) -> None:
         if not (self._posted or self._calls):
             return
-        silent = [p for p, t in self._heard.items()
-                  if p not in self._departed and now - t > self._peer_timeout + self._beat_every]
+        silent = [
+            p
+            for p, t in self._heard.items()
+            if p not in self._departed and now - t > self._peer_timeout + self._beat_every
+        ]
         if silent:
-            self._break(TimeoutError(
-                f"rank {self.rank} heard nothing from {ranks_phrase(silent)} for "
-                f"{self._peer_timeout} s (ASYNCREDUCE_PEER_TIMEOUT): dead or stopped?"))  # fmt: skip
+            self._break(
+                TimeoutError(
+                    f"rank {self.rank} heard nothing from {ranks_phrase(silent)} for "
+                    f"{self._peer_timeout} s (ASYNCREDUCE_PEER_TIMEOUT): dead or stopped?"
+                )
+            )
 
     def _waiting_for(self, op: Posted) -> str:
         if op.key in self._posted:

@@ -8,6 +8,8 @@ non-blocking calls and tests them, which is what lets Open MPI progress a posted
 higher (mpi4py asks for MPI_THREAD_MULTIPLE by default, so the caller's own MPI calls keep
 working beside ours).
 
+Large allreduces are blocking calls on that thread (``BLOCKING_BYTES``), the rest non-blocking.
+
 Types and reductions MPI has built in go to MPI as they are; the ones it lacks (float16,
 bfloat16) reduce through a user-defined operation that combines exactly as the native engine
 does (algorithms/reduction.py). bool reduces as torch means it (sum and max are "or").
@@ -28,6 +30,11 @@ from .engine import Posted, Running
 __all__ = ["MpiAdapter", "check_thread_level"]
 
 _SLOT = 64 << 10
+#: Allreduces from this size up run as a blocking ``Allreduce`` on the engine thread (mpi4py
+#: releases the GIL in it, so the caller computes meanwhile): Open MPI 4's non-blocking
+#: ``Iallreduce`` (libnbc) is 2-4x slower than its blocking one for large buffers (measured by
+#: ``bench engines``). Every rank decides alike: the size is agreed.
+BLOCKING_BYTES = 1 << 20
 _EXCHANGE_TAG = 1
 
 
@@ -140,6 +147,9 @@ class MpiAdapter:
 
     def start(self, op: Posted, flat: Any) -> Running:
         mpi, comm, kind = self._mpi, self._data, op.kind
+        if kind == "allreduce" and flat.nbytes >= BLOCKING_BYTES:  # (the size is agreed)
+            comm.Allreduce(mpi.IN_PLACE, self._buffer(flat, op.dtype), self._op(op.dtype, op.op))
+            return _Calls([])
         if kind == "allreduce":
             buf = self._buffer(flat, op.dtype)
             return _Calls([comm.Iallreduce(mpi.IN_PLACE, buf, self._op(op.dtype, op.op))], flat)
@@ -178,9 +188,9 @@ class MpiAdapter:
     def _point_to_point(self, op: Posted) -> Running:
         byte = self._mpi.BYTE
         if op.sends:
-            (peer, array), = op.sends.items()
+            ((peer, array),) = op.sends.items()
             return _Calls([self._p2p.Isend([array, byte], peer, op.tag)], array)
-        (peer, array), = (op.recvs or {}).items()
+        ((peer, array),) = (op.recvs or {}).items()
         request = self._p2p.Irecv([array, byte], peer, op.tag)
         return _Receive(request, array.nbytes, op.label)
 
@@ -200,8 +210,16 @@ class MpiAdapter:
             return {"sum": mpi.LOR, "max": mpi.LOR, "bor": mpi.LOR, "prod": mpi.LAND,
                     "min": mpi.LAND, "band": mpi.LAND, "bxor": mpi.LXOR}[name]  # fmt: skip
         if dtype.name not in ("float16", "bfloat16"):
-            return {"sum": mpi.SUM, "avg": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN,
-                    "prod": mpi.PROD, "band": mpi.BAND, "bor": mpi.BOR, "bxor": mpi.BXOR}[name]  # fmt: skip
+            return {
+                "sum": mpi.SUM,
+                "avg": mpi.SUM,
+                "max": mpi.MAX,
+                "min": mpi.MIN,
+                "prod": mpi.PROD,
+                "band": mpi.BAND,
+                "bor": mpi.BOR,
+                "bxor": mpi.BXOR,
+            }[name]
         found = self._ops.get((dtype.name, name))
         if found is None:
             found = mpi.Op.Create(_combiner(dtype, name), commute=True)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..algorithms import DType
 from ..errors import UsageError
+from .channel import Endpoint
 from .engine import Posted, Running
 from .native import NativeEndpoint
 
@@ -93,16 +94,21 @@ class TorchAdapter:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._host = host  # the group for host memory: ``group`` itself unless it is NCCL's
         self.name = f"torch ({self.backend})"
-        self.endpoint = endpoint
+        self.endpoint: Endpoint = endpoint
+        self._native = endpoint  # its communicator also carries exchanges and sends
         self._streams: dict[Any, Any] = {}
         R = dist.ReduceOp
         self._ops = {"sum": R.SUM, "avg": R.SUM, "max": R.MAX, "min": R.MIN, "prod": R.PRODUCT,
                      "band": R.BAND, "bor": R.BOR, "bxor": R.BXOR}  # fmt: skip
 
+    def refuses(self, kind: str, dtype: DType, op: str | None) -> str | None:
+        """Why this engine cannot run it (the caller gets a UsageError), or None."""
+        return refused(dtype, op, kind)
+
     def at_post(self, op: Posted) -> None:
         """On the posting thread: mark where its stream is, for a CUDA tensor."""
         if getattr(op.flat, "is_cuda", False):
-            op.ready = self._torch.cuda.Event()
+            op.ready = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
             op.ready.record(self._torch.cuda.current_stream(op.flat.device))
 
     def start(self, op: Posted, flat: Any) -> Running:
@@ -137,7 +143,7 @@ class TorchAdapter:
     def _exchange(self, op: Posted) -> Running:
         """gather, scatter, alltoall and point-to-point: sends and receives on the native
         communicator of the control channel (a Gloo point-to-point work cannot be polled)."""
-        native, to_native = self.endpoint.native, self.endpoint.to_native
+        native, to_native = self._native.native, self._native.to_native
         tag = _EXCHANGE_TAG if op.kind != "p2p" else _P2P_TAG + (op.tag or 0)
         requests = [native.isend(a, to_native(p), tag=tag) for p, a in (op.sends or {}).items()]
         requests += [native.irecv(a, to_native(p), tag=tag) for p, a in (op.recvs or {}).items()]

@@ -1,0 +1,64 @@
+"""CUDA tensors over backend="torch": handed to the group as they are (no host staging), ordered
+after their producer by an event, and the caller's stream ordered after the result by ``wait``.
+Skips without a GPU; scripts/gpu_check.sh runs it. Two ranks share GPU 0 over a Gloo group
+(Gloo reduces CUDA tensors; NCCL refuses two ranks on one GPU), and over NCCL where there are
+two GPUs. On CPU the same engine code is tested over Gloo by test_engines.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+import asyncreduce as ar  # noqa: E402
+from spmd import free_port  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=n)
+    try:
+        with ar.init(backend="torch") as comm:
+            side = torch.cuda.Stream(device)
+            with torch.cuda.stream(side):  # a producer on a stream of its own, still running
+                x = torch.full((1 << 22,), float(rank + 1), device=device)
+                for _ in range(20):
+                    x.mul_(1.0)
+                req = comm.iallreduce(x, op="avg", name="g")
+                req.wait()  # orders `side` after the result: no CPU wait
+                y = x * 2
+            torch.cuda.synchronize(device)
+            b = torch.arange(8.0, device=device) * (rank + 1)
+            comm.broadcast(b, root=1, name="b")
+            out.put((rank, float(y[0]), float(y[-1]), b.cpu().numpy().tolist()))  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, backend, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for _, first, last, b in got:
+        assert first == last == 3.0  # avg of 1 and 2, times 2
+        assert b == (np.arange(8.0) * 2).tolist()

@@ -295,15 +295,17 @@ class Rank:
 
 
 class AsyncReduceRank(Rank):
-    def __init__(self) -> None:
+    """``backend="mpi"``: ranks started by mpirun, asyncreduce over MPI (lib asyncreduce-mpi)."""
+
+    def __init__(self, backend: str = "native") -> None:
         import numpy as np
 
         import asyncreduce as ar
 
-        self.lib = "asyncreduce"
+        self.lib = "asyncreduce" if backend == "native" else f"asyncreduce-{backend}"
         self.ar: Any = ar
         self.np: Any = np
-        self.comm: Any = ar.init(timeout=60.0)  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        self.comm: Any = ar.init(timeout=60.0, backend=backend)  # from the launcher
         self.rank, self.size = self.comm.rank, self.comm.world_size
 
     def barrier(self) -> None:
@@ -371,6 +373,7 @@ def connect(lib: str) -> Rank:
     """Join the job as one rank of ``lib`` (from the environment the parent set)."""
     kinds: dict[str, Callable[[], Rank]] = {
         "asyncreduce": AsyncReduceRank,
+        "asyncreduce-mpi": lambda: AsyncReduceRank("mpi"),
         "gloo": GlooRank,
         "mpi": MpiRank,
     }
@@ -534,12 +537,17 @@ def unavailable(lib: str) -> str | None:
     """Why ``lib`` cannot run here, or None."""
     if lib == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install 'asyncreduce[torch]')"
-    if lib in ("mpi", "mpi-tcp"):
+    if under_mpirun(lib):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install 'asyncreduce[mpi]')"
         if shutil.which("mpirun") is None:
             return "mpirun is not on PATH (install Open MPI)"
     return None
+
+
+def under_mpirun(lib: str) -> bool:
+    """Whether ``lib``'s ranks are started by one mpirun (Open MPI, and asyncreduce over it)."""
+    return lib.startswith("mpi") or lib == "asyncreduce-mpi"
 
 
 def package_root() -> Path | None:
@@ -570,7 +578,7 @@ class WorkerSet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[IO[bytes]] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self.mpi = spec.lib.startswith("mpi")  # mpi, mpi-tcp: one mpirun starts the ranks
+        self.mpi = under_mpirun(spec.lib)  # mpi, mpi-tcp, asyncreduce-mpi: one mpirun
         command = worker_command(spec)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
         src = package_root()
@@ -895,7 +903,7 @@ def cluster_unavailable(lib: str) -> str | None:
     """Why ``lib`` cannot run across emulated hosts here, or None: ``unavailable``, and for
     mpi also ``orted`` (mpirun starts it on the other hosts)."""
     why = unavailable(lib)
-    if why is None and lib == "mpi" and shutil.which("orted") is None:
+    if why is None and under_mpirun(lib) and shutil.which("orted") is None:
         return "orted is not on PATH (install Open MPI)"
     return why
 
@@ -915,7 +923,7 @@ def _cluster_launch(
 ) -> tuple[list[str], Callable[[int], dict[str, str]], list[int] | None]:
     """(argv, env of each host, hosts to run it in) of ``spec``'s ranks in cluster ``c``."""
     command = worker_command(spec)
-    if not spec.lib.startswith("mpi"):
+    if not under_mpirun(spec.lib):
         return command, lambda host: {**cluster_env(c, host, master_port), **spec.env}, None
     env = {k: v for k, v in cluster_env(c, 0, master_port).items() if k in MPI_FORWARD}
     env.update(spec.env)

@@ -116,9 +116,11 @@ DEFAULT_MTU = 1500
 MASTER_PORT = 29500  # rank 0's store on an emulated host (the hosts are private)
 _SAY = "overlap bench: "
 TCP = rawtcp.NAME  # the reference: raw TCP streams, no reduction, no library
-KNOWN = (*common.LIBS, TCP)  # what --libs accepts, in the table's order
+AR_MPI = "asyncreduce-mpi"  # asyncreduce over MPI (backend="mpi"): our thread polls MPI
+KNOWN = ("asyncreduce", AR_MPI, "gloo", "mpi", TCP)  # what --libs accepts, in the table's order
 _CALLS = {
     "asyncreduce": "iallreduce + wait",
+    AR_MPI: "iallreduce + wait, over MPI",
     "gloo": "all_reduce(async_op=True) + wait",
     "mpi": "Iallreduce + Wait",
     TCP: "raw TCP streams, no reduction",
@@ -332,7 +334,7 @@ def _calls(rank: Any, count: int) -> tuple[Post, Wait]:
     if rank.lib == TCP:
         streams = rank.streams(count * common.DTYPE_BYTES)
         return streams.post, streams.wait
-    if rank.lib == "asyncreduce":
+    if rank.lib in ("asyncreduce", AR_MPI):
         x = np.zeros(count, dtype=np.float32)
         return (lambda: rank.comm.iallreduce(x, name="overlap")), (lambda req: req.wait())
     if rank.lib == "gloo":

@@ -171,6 +171,9 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
         help="resnet50's compute per iteration, s (default: from --rate and --ratio)")  # fmt: skip
     add("--cnn-batch", type=common.positive_int, default=DEFAULT_CNN_BATCH, metavar="B",
         help=f"images per rank per cnn iteration (default {DEFAULT_CNN_BATCH})")  # fmt: skip
+    add("--backend", choices=("native", "mpi"), default="native",
+        help="mpi: one mpirun starts the ranks and every DataParallel mode runs twice, over "
+        "native and over MPI (methods MODE@mpi), beside ddp, in the same run")  # fmt: skip
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +213,7 @@ class Settings:
     trace: str | None
     timeout: float | None
     quick: bool
+    backend: str = "native"
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -234,6 +238,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         trace=None if args.trace is None else str(args.trace.resolve()),
         timeout=args.timeout,
         quick=quick,
+        backend=args.backend,
     )
 
 
@@ -262,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _join_gloo() -> common.Rank:
     """Gloo (torch.distributed) with ``tcp://`` on host 0's address, for ddp."""
+    for ours, mpi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        if mpi in os.environ:  # started by mpirun (--backend mpi)
+            os.environ[ours] = os.environ[mpi]
     return common.GlooRank(init_method=f"tcp://{os.environ['MASTER_ADDR']}:{GLOO_PORT}")
 
 
@@ -324,7 +332,8 @@ def _trainer(rank: Any, model: str, method: str, settings: dict[str, Any]) -> Tr
     from asyncreduce.trace import Timeline
 
     timeline = Timeline(rank.rank) if settings.get("trace") else None
-    dp = art.DataParallel(module, rank.comm, optimizer=factory, mode=method, timeline=timeline)
+    mode = method.split("@")[0]  # forward@mpi: forward mode over backend="mpi"
+    dp = art.DataParallel(module, rank.comm, optimizer=factory, mode=mode, timeline=timeline)
 
     def dp_step() -> None:
         loss(dp).backward()
@@ -380,11 +389,16 @@ def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> N
 
     torch.set_num_threads(1)  # one rank per host, and the hosts share this machine's cores
     gloo = _join_gloo() if "ddp" in settings["methods"] else None
+    over_mpi = common.AsyncReduceRank("mpi") if settings.get("backend") == "mpi" else None
     try:
         for model in settings["models"]:
             for method in settings["methods"]:
                 _run_one(gloo if method == "ddp" else rank, model, method, settings, tell)
+                if over_mpi is not None and method in MODES:
+                    _run_one(over_mpi, model, f"{method}@mpi", settings, tell)
     finally:
+        if over_mpi is not None:
+            over_mpi.close()
         if gloo is not None:
             gloo.close()
 
@@ -430,7 +444,10 @@ def _limit(settings: Settings, hosts: int) -> float:
     for model in settings.models:
         n = settings.warmup + settings.iterations * (CNN_ITERATIONS if model == "cnn" else 1)
         per = _expected_iteration_s(settings, model, hosts)
-        total += len(settings.methods) * (_SET_UP_S + 3 * n * per)
+        runs = len(settings.methods) + (
+            sum(m in MODES for m in settings.methods) if settings.backend == "mpi" else 0
+        )
+        total += runs * (_SET_UP_S + 3 * n * per)
     return settings.timeout or total
 
 
@@ -453,15 +470,22 @@ def _run_set(c: Any, settings: Settings, run: common.Run, progress: Any) -> None
         elif message.get("event") == "result":
             fields = {k: v for k, v in message.items() if k != "event"}
             lib = "gloo" if fields.get("method") == "ddp" else "asyncreduce"
+            if str(fields.get("method", "")).endswith("@mpi"):
+                lib = "asyncreduce-mpi"
             run.results.append({"lib": lib, "hosts": c.hosts, "rate": settings.rate, **fields})
 
     def env(host: int) -> dict[str, str]:
         return {**common.cluster_env(c, host, ASYNCREDUCE_PORT), "OMP_NUM_THREADS": "1"}
 
+    argv, on = _worker_argv(settings, limit), None
+    if settings.backend == "mpi":  # one mpirun in host 0 starts a rank in every host
+        shared = {k: v for k, v in env(0).items() if k not in ("RANK", "ASYNCREDUCE_ADDR")}
+        argv, on = common.cluster_mpirun(c, argv, list(shared)), [0]
+        env = lambda host: shared  # noqa: E731
     progress.show(f"{tag} starting {c.hosts} ranks (hard limit {limit:.0f} s) ...")
     started = time.monotonic()
     try:
-        common.run_cluster_set(c, _worker_argv(settings, limit), env, limit, take)
+        common.run_cluster_set(c, argv, env, limit, take, on=on)
     except (common.WorkerSetError, cluster.ClusterError) as exc:
         _failed(run, c.hosts, str(exc))
         progress.end(f"{tag} FAILED: {exc}")
@@ -561,6 +585,7 @@ def ideal_scaling(settings: dict[str, Any], method: str, hosts: int) -> float:
     buckets and order, and no CPU cost at all."""
     import scaling_models
 
+    method = method.split("@")[0]
     if hosts == 1 or method == "local":
         return 1.0
     per_byte = ring_bytes(1, hosts) * 8 / (TCP_SHARE * settings["rate_bps"])
@@ -665,6 +690,10 @@ def _findings(rows: list[dict[str, Any]], model: str) -> list[str]:
         if fwd["vs_local"] is not None:
             text += f"; {fwd['vs_local']:.1%} of local (no communication) at K={top}"
         lines.append(text)
+    over = by.get(("forward@mpi", top))
+    if over is not None and fwd is not None and over["scaling"] and fwd["scaling"] and top > 1:
+        lines.append(f"{model}: forward over MPI scales {over['scaling']:.1%} at K={top}, "
+                     f"forward over native {fwd['scaling']:.1%}")  # fmt: skip
     return lines
 
 
@@ -700,7 +729,7 @@ def plot(path: Path, run: common.Run) -> None:
 
 
 def _plot_panel(ax: Any, model: str, rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
-    for method in METHODS:
+    for method in dict.fromkeys(r["method"] for r in rows):  # forward@mpi too, where run
         points = sorted(
             (r["hosts"], 100 * r["scaling"])
             for r in rows

@@ -123,8 +123,9 @@ def _sockets() -> int:
     return sum(os.readlink(fd).startswith("socket:") for fd in fds if os.path.exists(fd))
 
 
-def body_exchanges(comm: ar.Communicator) -> dict[str, object]:
-    """reduce, gather, scatter, alltoall, send/recv with tags, every dtype, and groups."""
+def exchange_checks(comm: ar.Communicator) -> None:
+    """reduce (every root), gather, scatter, alltoall and tagged point-to-point around a
+    ring, each checked against what it must give (the ordered backends run it too)."""
     r, n = comm.rank, comm.world_size
     for root in range(n):
         for op, fold in (("sum", np.add), ("max", np.maximum), ("prod", np.multiply)):
@@ -156,6 +157,12 @@ def body_exchanges(comm: ar.Communicator) -> dict[str, object]:
              for t in (1, 0)}  # fmt: skip
     ar.wait_all(sends, timeout=30)
     assert got_t == {t: [10 * i + t + left for i in range(3)] for t in (1, 0)}, got_t
+
+
+def body_exchanges(comm: ar.Communicator) -> dict[str, object]:
+    """reduce, gather, scatter, alltoall, send/recv with tags, every dtype, and groups."""
+    r, n = comm.rank, comm.world_size
+    exchange_checks(comm)
     # the dtypes torch reduces
     flags = comm.allreduce(np.array([r == 0, True, False]), "sum")
     np.testing.assert_array_equal(flags, [True, True, False])

@@ -42,29 +42,7 @@ def test_eight_threads_shuffled_give_what_native_gives_bitwise(n: int, backend: 
 def body_exchanges(comm: ar.Communicator, backend: str) -> list[float]:
     """reduce, gather, scatter, alltoall, tagged point-to-point and the dtypes, as natively."""
     r, n = comm.rank, comm.world_size
-    for root in range(n):
-        x = np.array([r + 1.0, -(r + 2.0)])
-        comm.reduce(x, "max", root)
-        if r == root:
-            assert x.tolist() == [n, -2.0]
-        g = comm.gather(np.arange(3 << 16, dtype=np.int64) + r, root=root)
-        assert (g is None) == (r != root)
-        if g is not None:
-            assert all(np.array_equal(g[q], np.arange(3 << 16) + q) for q in range(n))
-        out = np.zeros(5, np.float32)
-        source = np.arange(n * 5, dtype=np.float32).reshape(n, 5) if r == root else None
-        comm.scatter(out, source, root=root)
-        np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32) + 5 * r)
-    a = np.repeat(np.arange(n) + 100 * r, 1000).astype(np.float32)
-    got = comm.alltoall(a).reshape(n, -1)
-    assert all(np.all(got[q] == r + 100 * q) for q in range(n))
-    right, left = (r + 1) % n, (r - 1) % n
-    sends = [comm.isend(np.full(4, 10 * i + t + r, np.int32), right, tag=t)
-             for i in range(3) for t in (0, 1)]  # fmt: skip
-    got_t = {t: [comm.recv(np.zeros(4, np.int32), left, tag=t)[0] for _ in range(3)]
-             for t in (1, 0)}  # fmt: skip
-    ar.wait_all(sends, timeout=30)
-    assert got_t == {t: [10 * i + t + left for i in range(3)] for t in (1, 0)}, got_t
+    tc.exchange_checks(comm)
     assert comm.allreduce(np.array([r == 0, True, False]), "sum").tolist() == [True, True, False]
     assert comm.allreduce(np.array([1 << r, 7], np.int8), "bor").tolist() == [(1 << n) - 1, 7]
     z = comm.allreduce(np.full(3, (r + 1) * (1 - 2j), np.complex128), "avg")

@@ -96,7 +96,7 @@ class Channel:
                 if piece is not None and piece[0] == GOODBYE:
                     del self._recvs[peer]  # it sends nothing more
                 else:
-                    self._post_recv(peer)
+                    self._post_recv(peer, buffer)  # (its bytes were copied out)
                 if piece is not None:
                     yield peer, piece[0], piece[1:]
 
@@ -114,8 +114,8 @@ class Channel:
             else:
                 time.sleep(50e-6)
 
-    def _post_recv(self, peer: int) -> None:
-        buffer = bytearray(self.endpoint.slot)
+    def _post_recv(self, peer: int, buffer: bytearray | None = None) -> None:
+        buffer = bytearray(self.endpoint.slot) if buffer is None else buffer
         self._recvs[peer] = (self.endpoint.irecv(peer, buffer), buffer)
 
     def _unframe(self, peer: int, buffer: bytearray, got: int) -> bytes | None:

@@ -329,6 +329,7 @@ class OrderedEngine:
                 moved = True
                 self._calls.remove(call)
                 self._complete(call)
+                os.sched_yield()  # let the waiter take the GIL now, not at the next switch
         return moved
 
     def _complete(self, call: _Call) -> None:

@@ -697,13 +697,19 @@ def _findings(rows: list[dict[str, Any]], model: str) -> list[str]:
     return lines
 
 
+def _row_order(row: dict[str, Any]) -> tuple[int, str, int]:
+    """Methods in METHODS' order, each over native before over MPI, then by hosts."""
+    base, _, over = str(row["method"]).partition("@")
+    return METHODS.index(base), over, row["hosts"]
+
+
 def report(run: common.Run, machine: dict[str, Any]) -> str:
     s = run.settings
     lines = common.preamble(run, machine) + _link_lines(s)
     rows = derive(run)
     for model in s["models"]:
         mine = [r for r in rows if r["model"] == model]
-        mine.sort(key=lambda r: (METHODS.index(r["method"]), r["hosts"]))
+        mine.sort(key=_row_order)
         lines += ["", _model_title(model, s)]
         lines += [_table(mine)] if mine else ["(no results)"]
         lines += _findings(mine, model)

@@ -62,3 +62,71 @@ def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
     for _, first, last, b in got:
         assert first == last == 3.0  # avg of 1 and 2, times 2
         assert b == (np.arange(8.0) * 2).tolist()
+
+
+def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+    """DataParallel in every mode on CUDA parameters over backend="torch": each rank trains its
+    half of a batch; the result must be what one process gets on the whole batch."""
+    import asyncreduce.torch as art
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=n)
+    try:
+        with ar.init(backend="torch") as comm:
+            finals = {}
+            for mode in ("blocking", "backward", "forward"):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                            torch.nn.Linear(16, 2)).double().to(device)  # fmt: skip
+                reference = [p.detach().clone() for p in model.parameters()]
+                dp = art.DataParallel(model, comm, lambda ps: torch.optim.SGD(ps, lr=0.1), mode)
+                gen = torch.Generator().manual_seed(1)
+                for _ in range(5):
+                    x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+                    y = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+                    mine = slice(4 * rank, 4 * rank + 4)
+                    out_ = dp(x[mine].to(device))
+                    torch.nn.functional.mse_loss(out_, y[mine].to(device)).backward()
+                    dp.step()
+                dp.synchronize()
+                finals[mode] = [p.detach().cpu() for p in model.parameters()]
+                dp.close()
+                ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                          torch.nn.Linear(16, 2)).double()  # fmt: skip
+                with torch.no_grad():
+                    for p, r in zip(ref.parameters(), reference, strict=True):
+                        p.copy_(r.cpu())
+                opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+                gen = torch.Generator().manual_seed(1)
+                for _ in range(5):
+                    x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+                    y = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+                    torch.nn.functional.mse_loss(ref(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                pairs = zip(finals[mode], ref.parameters(), strict=True)
+                finals[mode] = max(float((a - b).abs().max()) for a, b in pairs)
+            out.put((rank, finals))  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_data_parallel_on_cuda_over_the_torch_backend_is_exact(backend: str) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dp_rank, args=(r, 2, port, backend, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for _, diffs in got:
+        assert all(d < 1e-10 for d in diffs.values()), diffs

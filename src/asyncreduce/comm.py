@@ -53,7 +53,7 @@ from .algorithms import (
 )
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
-from .engine import Engine, Operation
+from .engine import ON_DEVICE, Engine, Operation
 from .errors import BrokenError, ClosedError, UsageError
 from .ordered.engine import OrderedEngine, Posted
 from .request import CallbackRunner, Request
@@ -595,12 +595,19 @@ class Communicator:
         an engine call once every rank posted it (see ordered/)."""
         assert self._ordered is not None
         buf = plan.buf
-        refuses = getattr(self._ordered.adapter, "refuses", None)
+        adapter = self._ordered.adapter
+        refuses = getattr(adapter, "refuses", None)
         why = refuses(plan.kind, buf.dtype, plan.op) if refuses is not None else None
         if why is not None:
             raise UsageError(f"{label}: {why}")
+        most = getattr(adapter, "max_tag", None)
+        if plan.tag is not None and most is not None and plan.tag > most:
+            raise UsageError(f"tag={plan.tag} is above what this engine takes ({most})")
+        if not -(1 << 63) <= priority < 1 << 63:
+            raise UsageError(f"priority must fit in 64 bits, got {priority}")
         count = buf.flat.size if plan.count is None else plan.count
-        desc = Descriptor(KINDS[plan.kind], buf.dtype.code, reduce, plan.root, count)
+        code = buf.dtype.code + (ON_DEVICE if not isinstance(buf.flat, np.ndarray) else 0)
+        desc = Descriptor(KINDS[plan.kind], code, reduce, plan.root, count)
         request: Request[Any] = Request(label, self._runner)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)

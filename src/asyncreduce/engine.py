@@ -81,7 +81,7 @@ from .transport.frame import (
     pack_header,
 )
 
-__all__ = ["Engine", "Operation", "Settings", "describe"]
+__all__ = ["Engine", "Operation", "Settings", "describe", "ON_DEVICE"]
 
 log = logging.getLogger("asyncreduce.engine")
 log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
@@ -101,10 +101,17 @@ _DTYPE_NAMES = {code: dtype.name for code, dtype in DTYPE_BY_CODE.items()}
 _REDUCE_NAMES = {0: "", **{code: name for name, code in REDUCTION_CODES.items()}}
 
 
+#: Added to a descriptor's dtype code for memory on a device (ordered backends: a CUDA tensor on
+#: one rank against host memory on another is a mismatch, not two different engine calls).
+ON_DEVICE = 64
+
+
 def describe(desc: Descriptor) -> str:
     """``allreduce float32[1000] sum`` (what a rank posted, for error messages)."""
     parts = [_KIND_NAMES.get(desc.kind, f"kind {desc.kind}")]
-    parts.append(f"{_DTYPE_NAMES.get(desc.dtype, f'dtype {desc.dtype}')}[{desc.count}]")
+    dtype = _DTYPE_NAMES.get(desc.dtype) or _DTYPE_NAMES.get(desc.dtype - ON_DEVICE)
+    where = " on a GPU" if desc.dtype not in _DTYPE_NAMES and dtype else ""
+    parts.append(f"{dtype or f'dtype {desc.dtype}'}[{desc.count}]{where}")
     if _REDUCE_NAMES.get(desc.reduce):
         parts.append(_REDUCE_NAMES[desc.reduce])
     if desc.kind == KINDS["broadcast"]:

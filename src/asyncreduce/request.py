@@ -96,7 +96,7 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 "can complete it (its progress thread does not run in a child)"
             )
         try:
-            result = self.result(timeout)
+            return self.result(timeout)
         except concurrent.futures.TimeoutError:
             if self.done():
                 raise  # the operation itself timed out
@@ -104,9 +104,14 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 f"{self.label} not complete after {timeout} s; it goes on (wait again, or pass "
                 "timeout= to the call to make the operation itself give up)"
             ) from None
+
+    def result(self, timeout: float | None = None) -> T:
+        """The result (``concurrent.futures.Future.result``); on a device engine, this thread's
+        current stream is ordered after it, however the result is asked for."""
+        value = super().result(timeout)
         if self.on_wait is not None:
             self.on_wait()
-        return result
+        return value
 
     def set_result(self, result: T) -> None:
         """Complete with ``result`` (the engine's call), stamping ``completed_at``."""

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..transport.frame import MAX_NAME_BYTES, Descriptor
 
@@ -47,9 +48,9 @@ class AgreementError(Exception):
     """A contribution that cannot be right (malformed, out of its round, a key posted twice)."""
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One rank's post of one operation, as it travels in a contribution."""
+class Entry(NamedTuple):
+    """One rank's post of one operation, as it travels in a contribution (a tuple: one is
+    built and read per operation and rank, on the latency path)."""
 
     name: bytes
     instance: int
@@ -58,7 +59,7 @@ class Entry:
 
     @property
     def key(self) -> Key:
-        return self.name, self.instance
+        return self[0], self[1]
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,6 @@ class Agreed:
     priority: int
     round: int
     mismatch: tuple[int, Descriptor, Descriptor] | None = None  # (other rank, mine, theirs)
-
-
-@dataclass
-class _Known:
-    posts: dict[int, Entry] = field(default_factory=dict)  # rank -> what it posted
 
 
 def encode(round_: int, entries: Iterable[Entry]) -> bytes:
@@ -100,13 +96,13 @@ def decode(message: bytes | memoryview) -> tuple[int, list[Entry]]:
         raise AgreementError(f"not a contribution (magic {magic!r})")
     if count > len(data):  # every entry takes more than one byte
         raise AgreementError(f"a contribution claims {count} entries in {len(data)} bytes")
-    entries, at = [], _HEAD.size
+    entries, at, end, step = [], _HEAD.size, len(data), _ENTRY.size
     for _ in range(count):
-        if at + _ENTRY.size > len(data):
+        if at + step > end:
             raise AgreementError("a contribution ends inside an entry")
         size, instance, kind, dtype, reduce, root, n, priority = _ENTRY.unpack_from(data, at)
-        at += _ENTRY.size
-        if size > MAX_NAME_BYTES or at + size > len(data):
+        at += step
+        if size > MAX_NAME_BYTES or at + size > end:
             raise AgreementError(f"an entry's name of {size} bytes does not fit")
         name = data[at : at + size]
         at += size
@@ -130,7 +126,7 @@ class Agreement:
         self._sent = False  # this rank's contribution to self.round is out
         self._heard: dict[int, dict[int, list[Entry]]] = {}  # round -> peer -> entries
         self._mine: list[Entry] = []  # this rank's contribution to self.round
-        self._known: dict[Key, _Known] = {}  # posted somewhere, not yet agreed
+        self._known: dict[Key, dict[int, Entry]] = {}  # posted somewhere (rank -> entry)
         self._waiting: set[Key] = set()  # posted here, not yet agreed
         self._agreed: list[Agreed] = []
         self._peers = [p for p in range(world_size) if p != rank]
@@ -171,7 +167,7 @@ class Agreement:
 
     def posted_by(self, key: Key) -> set[int]:
         """The ranks known to have posted ``key`` (this round's contributions included)."""
-        ranks = set(self._known[key].posts) if key in self._known else set()
+        ranks = set(self._known.get(key, ()))
         if key in self._waiting:
             ranks.add(self.rank)
         for heard in self._heard.values():
@@ -196,17 +192,23 @@ class Agreement:
         if not self._sent or len(heard) < len(self._peers):
             return []
         del self._heard[self.round]
-        contributions = {**heard, self.rank: self._mine}
-        complete = []
-        for rank in sorted(contributions):
-            for entry in contributions[rank]:
-                known = self._known.setdefault(entry.key, _Known())
-                if rank in known.posts:
-                    raise AgreementError(f"rank {rank} posted {entry.key!r} twice")
-                known.posts[rank] = entry
-                if len(known.posts) == self.world_size:
-                    complete.append(entry.key)
-        self._agreed.extend(sorted((self._agree(k) for k in complete), key=_order))
+        heard[self.rank] = self._mine
+        complete, n, known = [], self.world_size, self._known
+        for rank, entries in heard.items():
+            for entry in entries:
+                key = (entry[0], entry[1])
+                posts = known.get(key)
+                if posts is None:
+                    posts = known[key] = {}
+                elif rank in posts:
+                    raise AgreementError(f"rank {rank} posted {key!r} twice")
+                posts[rank] = entry
+                if len(posts) == n:
+                    complete.append(key)
+        agreed = [self._agree(k) for k in complete]
+        if len(agreed) > 1:
+            agreed.sort(key=_order)
+        self._agreed.extend(agreed)
         self.round += 1
         self._sent, self._mine = False, []
         follow = self._heard.get(self.round, {})
@@ -215,12 +217,14 @@ class Agreement:
         return []
 
     def _agree(self, key: Key) -> Agreed:
-        posts = self._known.pop(key).posts
+        posts = self._known.pop(key)
         self._waiting.discard(key)
-        mine = posts[self.rank].desc
-        priority = max(e.priority for e in posts.values())
-        other = next((r for r in sorted(posts) if posts[r].desc != mine), None)
-        mismatch = None if other is None else (other, mine, posts[other].desc)
+        mine = posts[self.rank][2]
+        priority = max(e[3] for e in posts.values())
+        mismatch = None
+        if any(e[2] != mine for e in posts.values()):
+            other = min(r for r, e in posts.items() if e[2] != mine)
+            mismatch = (other, mine, posts[other][2])
         return Agreed(key, mine, priority, self.round, mismatch)
 
 

@@ -9,6 +9,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from ..comm import Communicator
 from ..engine import Settings
 from ..errors import UsageError
@@ -67,6 +69,9 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
     group = dist.group.WORLD if group is None else group
     ranks = dist.get_process_group_ranks(group)
     backend = str(dist.get_backend(group))
+    # A group of our own: the caller's own collectives on ``group`` would interleave with ours
+    # in a different order on each rank (groups pair collectives by sequence number).
+    group = dist.new_group(ranks, backend=backend)
     host = group if "gloo" in backend or "mpi" in backend else dist.new_group(ranks, backend="gloo")
     native = _native(timeout)  # (collective over the job, like new_group)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -95,11 +100,19 @@ def _native(timeout: float) -> Communicator:
 
 
 def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
-    """Agree on a clock origin (one barrier) and say what was chosen."""
-    comm.barrier(name="asyncreduce/start", timeout=timeout)
-    comm._clock_origin = time.perf_counter()
+    """Check that every rank fuses alike, agree on a clock origin, say what was chosen."""
     engine = comm._ordered
-    assert engine is not None and engine.adapter is not None
+    assert engine is not None
+    fusion = comm.allgather(np.array([engine.fusion_bytes], np.int64), name="asyncreduce/start",
+                            timeout=timeout)[:, 0]  # fmt: skip
+    if len(set(fusion.tolist())) > 1:
+        comm.close()
+        raise UsageError(
+            f"ASYNCREDUCE_FUSION_BYTES differs between ranks ({fusion.tolist()}): every rank "
+            "must fuse alike, or they issue different engine calls"
+        )
+    comm._clock_origin = time.perf_counter()
+    assert engine.adapter is not None
     control = type(engine.adapter.endpoint).__name__.replace("Endpoint", "").lower()
     log.info("rank %d of %d joined over backend=%r: the %s engine, control messages on %s, "
              "allreduces fused up to %d bytes", comm.rank, comm.world_size, backend,

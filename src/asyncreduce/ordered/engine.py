@@ -59,6 +59,7 @@ FUSION_BYTES = 64 << 10
 _ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_CLASSES.items()}
 _BREAK_HEAD = struct.Struct("<BHQ")  # error class code, key name length, key instance
+_ABANDONED: list[Any] = []  # calls still in the engine when their thread ended: kept alive
 
 
 @dataclass(eq=False)
@@ -101,7 +102,9 @@ class Adapter(Protocol):
         """Issue ``op``'s call over ``flat`` (its memory, or a fused scratch of several)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, pending: bool) -> None:
+        """Release the engine's resources (``pending``: calls are still in it)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -159,11 +162,11 @@ class OrderedEngine:
     def submit(self, op: Posted) -> None:
         """Hand ``op`` to the thread; ClosedError or BrokenError if it cannot run."""
         with self._lock:
-            if self._closed:
-                raise ClosedError(f"{op.label}: the communicator is closed")
             if self._broken is not None:
                 raise BrokenError(f"{op.label}: the communicator is broken: {self._broken}"
                                   ) from self._broken  # fmt: skip
+            if self._closed:
+                raise ClosedError(f"{op.label}: the communicator is closed")
             if self._departed:
                 raise BrokenError(f"{op.label}: {next(iter(self._departed.values()))}")
             at_post = getattr(self.adapter, "at_post", None)
@@ -213,6 +216,11 @@ class OrderedEngine:
             log.exception("asyncreduce ordered engine thread crashed")
             self._break(BrokenError(f"rank {self.rank}: the ordered engine crashed: {exc!r}"))
         finally:
+            with self._lock:
+                self._closed = True
+            self._fail_queued()
+            if self._calls:  # MPI may still read or write their memory: never free it
+                _ABANDONED.extend(self._calls)
             self._close_adapter()
 
     def _loop(self) -> None:
@@ -236,6 +244,8 @@ class OrderedEngine:
     def _take(self, block: bool) -> tuple[bool, bool]:
         """Take submitted operations: (closing, took any)."""
         took = False
+        if not block and self._queue.empty():  # (the common case, without an exception)
+            return False, False
         try:
             item = self._queue.get(timeout=self._beat_every) if block else self._queue.get_nowait()
             while True:
@@ -288,14 +298,23 @@ class OrderedEngine:
     # ---- running agreed operations -----------------------------------------------------------
 
     def _run_agreed(self, agreed: list[Agreed]) -> None:
+        """Issue what every rank agreed, in order. A mismatch is seen by every rank in the same
+        round: nobody runs that one, and every rank breaks; the rest of the round still runs
+        everywhere (on scratch memory where the request failed), so no peer is left alone in
+        an engine call."""
+        ops = []
         for a in agreed:
-            if a.mismatch is not None:  # (the rest fail with it: the engine breaks)
+            op = self._posted.pop(a.key, None)
+            if op is None:  # cannot happen: every agreed key was posted here
+                log.error("rank %d: agreed %r was never posted here", self.rank, a.key)
+                continue
+            if a.mismatch is not None:
                 other, mine, theirs = a.mismatch
-                self._fail_everywhere(self._posted[a.key], MismatchError(
-                    f"{self._posted[a.key].label}: rank {self.rank} posted {describe(mine)} "
+                self._fail_everywhere(op, MismatchError(
+                    f"{op.label}: rank {self.rank} posted {describe(mine)} "
                     f"but rank {other} posted {describe(theirs)}"))  # fmt: skip
-                return
-        ops = [self._posted.pop(a.key) for a in agreed]
+                continue
+            ops.append(op)
         for group in _fuse(ops, self.fusion_bytes):
             self._issue(group)
 
@@ -306,9 +325,11 @@ class OrderedEngine:
         try:
             running = self.adapter.start(first, first.flat if scratch is None else scratch)
         except Exception as exc:
-            self._fail_everywhere(first, BrokenError(
-                f"{first.label}: the {self.adapter.name} engine refused it on rank "
-                f"{self.rank}: {exc}"))  # fmt: skip
+            error = BrokenError(f"{first.label}: the {self.adapter.name} engine refused it on "
+                                f"rank {self.rank}: {exc}")  # fmt: skip
+            for op in group:
+                self._fail(op, error)
+            self._break(error, first)
             return
         self.calls += 1
         self._calls.append(_Call(group, running, scratch))
@@ -321,9 +342,12 @@ class OrderedEngine:
             except Exception as exc:
                 self._calls.remove(call)
                 name = self.adapter.name if self.adapter else "engine"
-                self._fail_everywhere(call.ops[0], BrokenError(
-                    f"{call.ops[0].label}: the {name} engine failed on rank {self.rank}: "
-                    f"{exc}"))  # fmt: skip
+                cls = MismatchError if isinstance(exc, MismatchError) else BrokenError
+                error = cls(f"{call.ops[0].label}: the {name} engine failed on rank "
+                            f"{self.rank}: {exc}")  # fmt: skip
+                for op in call.ops:
+                    self._fail(op, error)
+                self._break(error, call.ops[0])
                 return True
             if finished:
                 moved = True
@@ -341,6 +365,8 @@ class OrderedEngine:
                 at += n
             if op.op == "avg" and isinstance(op.flat, np.ndarray):
                 finalize(op.dtype, op.op, op.flat, self.world_size)
+            if op.request.done():  # failed meanwhile: it ran on scratch memory, for the peers
+                continue
             if op.record is not None:
                 self.flight.finish(op.record, None)
             try:
@@ -358,7 +384,13 @@ class OrderedEngine:
         self._break(error, op)
 
     def _fail(self, op: Posted, error: BaseException) -> None:
-        self._posted.pop(op.key, None)
+        """Fail ``op``'s request. Peers may still agree it (this rank offered it), and then
+        they need this rank in the engine call: it stays posted, on a scratch copy, so the
+        caller's memory is free from now on; an op issued already stays in the engine."""
+        if op.key in self._posted and not op.request.done():
+            op.flat = _scratch(op.flat)
+            op.sends = {p: _scratch(a) for p, a in (op.sends or {}).items()}
+            op.recvs = {p: _scratch(a) for p, a in (op.recvs or {}).items()}
         if op.record is not None and op.record.state == "pending":
             self.flight.finish(op.record, error)
         if not op.request.done():
@@ -371,16 +403,12 @@ class OrderedEngine:
             self._broken = error
         self.flight.broken = f"{type(error).__name__}: {error}"
         pending = list(self._posted.values()) + [op for c in self._calls for op in c.ops]
-        self._posted.clear()
-        self._calls.clear()  # issued calls cannot be taken back: abandoned
-        for op in pending:
+        for op in pending:  # (engine calls go on: MPI has no cancel, and peers are in them)
             self._fail(op, _broken_by(op, error))
         name, instance = about.key if about is not None else (b"", 0)
         code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
         body = _BREAK_HEAD.pack(code, len(name), instance) + name + str(error).encode()[:4096]
-        for peer in self._heard:
-            if peer not in self._departed:
-                self._channel.send(peer, BREAK, body)
+        self._tell_all(BREAK, body)
         if self.settings.flight_dir:
             try:
                 self.flight.dump(self.settings.flight_dir)
@@ -394,7 +422,7 @@ class OrderedEngine:
         name = body[_BREAK_HEAD.size : _BREAK_HEAD.size + size]
         reason = body[_BREAK_HEAD.size + size :].decode(errors="replace")
         cls = _ERROR_CLASSES.get(code, BrokenError)
-        op = self._posted.get((name, instance)) or next(
+        op = self._live((name, instance)) or next(
             (o for c in self._calls for o in c.ops if o.key == (name, instance)), None
         )
         error = cls(f"{op.label if op else 'an operation'} failed on rank {peer}: {reason}"
@@ -407,13 +435,9 @@ class OrderedEngine:
         why = f"rank {peer} closed the communicator" + (f" ({reason})" if reason else "")
         with self._lock:
             self._departed[peer] = why
-        if self._posted:
-            self._break(
-                BrokenError(
-                    f"{why} while rank {self.rank} had "
-                    f"{next(iter(self._posted.values())).label} pending"
-                )
-            )
+        live = [op for op in self._posted.values() if not op.request.done()]
+        if live:
+            self._break(BrokenError(f"{why} while rank {self.rank} had {live[0].label} pending"))
 
     # ---- time --------------------------------------------------------------------------------
 
@@ -426,27 +450,40 @@ class OrderedEngine:
                     f"rank {self.rank} ({self._waiting_for(op)})"))  # fmt: skip
         if now - self._last_beat >= self._beat_every:
             self._last_beat = now
-            for peer in self._heard:
-                if peer not in self._departed:
-                    self._channel.send(peer, BEAT)
+            self._tell_all(BEAT)
             self._check_liveness(now)
             self._inspect_stalls(now)
 
+    def _tell_all(self, kind: int, body: bytes = b"") -> None:
+        """``kind`` to every peer still here; a channel that failed only loses the message."""
+        for peer in self._heard:
+            if peer not in self._departed:
+                try:
+                    self._channel.send(peer, kind, body)
+                except Exception as exc:
+                    log.debug("rank %d: no control message to rank %d: %s", self.rank, peer, exc)
+
+    def _live(self, key: Key) -> Posted | None:
+        """The posted, not yet agreed operation ``key`` whose request is still pending."""
+        op = self._posted.get(key)
+        return op if op is not None and not op.request.done() else None
+
     def _check_liveness(self, now: float) -> None:
-        if not (self._posted or self._calls):
+        if self._broken is not None or not (self._posted or self._calls):
             return
         silent = [
             p
             for p, t in self._heard.items()
             if p not in self._departed and now - t > self._peer_timeout + self._beat_every
         ]
-        if silent:
-            self._break(
-                TimeoutError(
-                    f"rank {self.rank} heard nothing from {ranks_phrase(silent)} for "
-                    f"{self._peer_timeout} s (ASYNCREDUCE_PEER_TIMEOUT): dead or stopped?"
-                )
+        if silent:  # what waits fails with the TimeoutError itself, as natively
+            why = (
+                f"rank {self.rank} heard nothing from {ranks_phrase(silent)} for "
+                f"{self._peer_timeout} s (ASYNCREDUCE_PEER_TIMEOUT): dead or stopped?"
             )
+            for op in [*self._posted.values(), *(o for c in self._calls for o in c.ops)]:
+                self._fail(op, TimeoutError(f"{op.label}: {why}"))
+            self._break(TimeoutError(why))
 
     def _waiting_for(self, op: Posted) -> str:
         if op.key in self._posted:
@@ -484,20 +521,31 @@ class OrderedEngine:
         for op in [op for c in self._calls for op in c.ops]:
             self._fail(op, ClosedError(f"{op.label}: the communicator was closed"))
         reason = f"it was broken: {self._broken}".encode()[:4096] if self._broken else b""
-        for peer in self._heard:
-            if peer not in self._departed:
-                self._channel.send(peer, GOODBYE, reason)
-        while len(self._departed) < len(self._heard) and time.monotonic() < deadline + linger:
-            if not self._poll_channel():
-                time.sleep(1e-3)
+        self._tell_all(GOODBYE, reason)
+        # Until every peer said goodbye too (or the linger passed), keep answering rounds and
+        # running what they agree: a peer may have agreed one of ours before it heard ours.
+        while time.monotonic() < deadline + linger and (
+            len(self._departed) < len(self._heard) or self._calls
+        ):
+            if not (self._poll_channel() | self._poll_calls()):
+                time.sleep(_POLL if self._calls else 1e-3)
         self._channel.drain_sends(linger)
 
+    def _fail_queued(self) -> None:
+        """Fail what was submitted but never taken (the thread is ending)."""
+        while True:
+            try:
+                op = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if op is not None and not op.request.done():
+                cause = self._broken or ClosedError("the communicator was closed")
+                op.request.set_exception(_broken_by(op, cause))
+
     def _close_adapter(self) -> None:
-        with self._lock:
-            self._closed = True
         if self.adapter is not None:
             try:
-                self.adapter.close()
+                self.adapter.close(pending=bool(self._calls))
             except Exception as exc:
                 log.debug("closing the %s adapter: %s", self.adapter.name, exc)
 
@@ -529,6 +577,11 @@ def _fuse(ops: list[Posted], limit: int) -> list[list[Posted]]:
         group.append(op)
         open_[kind] = (group, total + size)
     return groups
+
+
+def _scratch(flat: Any) -> Any:
+    """A copy of an operation's memory to run it on once its caller has been told it failed."""
+    return flat.copy() if isinstance(flat, np.ndarray) else flat.clone()
 
 
 def _pack(group: list[Posted]) -> Any:

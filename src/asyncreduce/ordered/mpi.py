@@ -8,7 +8,8 @@ non-blocking calls and tests them, which is what lets Open MPI progress a posted
 higher (mpi4py asks for MPI_THREAD_MULTIPLE by default, so the caller's own MPI calls keep
 working beside ours).
 
-Large allreduces are blocking calls on that thread (``BLOCKING_BYTES``), the rest non-blocking.
+Large and small allreduces are blocking calls on that thread (``BLOCKING_BYTES``,
+``SMALL_BYTES``), as are small broadcasts and barriers; the rest are non-blocking.
 
 Types and reductions MPI has built in go to MPI as they are; the ones it lacks (float16,
 bfloat16) reduce through a user-defined operation that combines exactly as the native engine
@@ -23,18 +24,23 @@ import numpy as np
 
 from ..algorithms import DType
 from ..algorithms.reduction import combine
-from ..errors import UsageError
+from ..errors import MismatchError, UsageError
 from .channel import Endpoint
 from .engine import Posted, Running
 
 __all__ = ["MpiAdapter", "check_thread_level"]
 
 _SLOT = 64 << 10
-#: Allreduces from this size up run as a blocking ``Allreduce`` on the engine thread (mpi4py
-#: releases the GIL in it, so the caller computes meanwhile): Open MPI 4's non-blocking
-#: ``Iallreduce`` (libnbc) is 2-4x slower than its blocking one for large buffers (measured by
-#: ``bench engines``). Every rank decides alike: the size is agreed.
+#: With every rank on one host, allreduces from this size up run as a blocking ``Allreduce`` on
+#: the engine thread (mpi4py releases the GIL in it, so the caller computes meanwhile): Open
+#: MPI 4's non-blocking ``Iallreduce`` (libnbc) is 2-4x slower than its blocking one there
+#: (``bench engines``). Across hosts they stay non-blocking, tested every ``_POLL``: a blocking
+#: call over TCP spins a core the caller's computation needs (``bench overlap --hosts``).
 BLOCKING_BYTES = 1 << 20
+#: ... and so do allreduces and broadcasts up to this size, and barriers: a blocking call
+#: takes ~2 us where the non-blocking one and its tests take ~25 us (measured); the engine
+#: thread waits at most as long as the ranks are apart in finishing the round that agreed it.
+SMALL_BYTES = 64 << 10
 _EXCHANGE_TAG = 1
 
 
@@ -79,6 +85,9 @@ class _Calls:
         return True
 
 
+_DONE = _Calls([])  # a blocking call: finished when it returns
+
+
 class _Receive:
     """A point-to-point receive that checks the sender sent what was expected."""
 
@@ -91,8 +100,8 @@ class _Receive:
             return False
         got = self._status.Get_count(_mpi().BYTE)
         if got != self._expected:
-            raise ValueError(f"{self._what}: {got} bytes came, {self._expected} were expected "
-                             "(the ranks posted different sizes)")  # fmt: skip
+            raise MismatchError(f"{self._what}: {got} bytes came, {self._expected} were "
+                                "expected (the ranks posted different sizes)")  # fmt: skip
         return True
 
 
@@ -105,6 +114,7 @@ class MpiEndpoint:
     def __init__(self, comm: Any) -> None:
         self._comm = comm
         self._recvs: list[Any] = []
+        self._status, self._byte = _mpi().Status(), _mpi().BYTE
 
     def isend(self, peer: int, data: bytes) -> Any:
         return self._comm.Isend([data, _mpi().BYTE], peer, 0), data
@@ -115,14 +125,12 @@ class MpiEndpoint:
         return request
 
     def test(self, handle: Any) -> int | None:
-        mpi = _mpi()
         if isinstance(handle, tuple):  # a send
             return 0 if handle[0].Test() else None
-        status = mpi.Status()
-        if not handle.Test(status):
+        if not handle.Test(self._status):
             return None
         self._recvs.remove(handle)
-        return int(status.Get_count(mpi.BYTE))
+        return int(self._status.Get_count(self._byte))
 
     def cancel(self) -> None:
         for request in self._recvs:
@@ -141,15 +149,27 @@ class MpiAdapter:
         self._mpi = mpi
         self._data, self._control, self._p2p = comm.Dup(), comm.Dup(), comm.Dup()
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        node = comm.Split_type(mpi.COMM_TYPE_SHARED)
+        self.one_host = node.Get_size() == self.world_size  # every rank shares this host
+        node.Free()
         self.endpoint: Endpoint = endpoint or MpiEndpoint(self._control)
+        self.max_tag = int(comm.Get_attr(mpi.TAG_UB))  # (a larger tag: UsageError at post)
         self._ops: dict[tuple[str, str], Any] = {}
         self._types: dict[int, Any] = {}
 
     def start(self, op: Posted, flat: Any) -> Running:
         mpi, comm, kind = self._mpi, self._data, op.kind
-        if kind == "allreduce" and flat.nbytes >= BLOCKING_BYTES:  # (the size is agreed)
+        size = flat.nbytes  # (agreed, as is one_host: every rank decides alike)
+        blocking = size <= SMALL_BYTES or (size >= BLOCKING_BYTES and self.one_host)
+        if kind == "allreduce" and blocking:
             comm.Allreduce(mpi.IN_PLACE, self._buffer(flat, op.dtype), self._op(op.dtype, op.op))
-            return _Calls([])
+            return _DONE
+        if kind == "broadcast" and flat.nbytes <= SMALL_BYTES:
+            comm.Bcast(self._buffer(flat, op.dtype), op.root)
+            return _DONE
+        if kind == "barrier":
+            comm.Barrier()
+            return _DONE
         if kind == "allreduce":
             buf = self._buffer(flat, op.dtype)
             return _Calls([comm.Iallreduce(mpi.IN_PLACE, buf, self._op(op.dtype, op.op))], flat)
@@ -172,8 +192,6 @@ class MpiAdapter:
             else:
                 request = comm.Ireduce(self._buffer(flat, op.dtype), None, red, op.root)
             return _Calls([request], flat)
-        if kind == "barrier":
-            return _Calls([comm.Ibarrier()])
         if kind == "p2p":
             return self._point_to_point(op)
         return self._exchange(op)
@@ -226,8 +244,12 @@ class MpiAdapter:
             self._ops[(dtype.name, name)] = found
         return found
 
-    def close(self) -> None:
+    def close(self, pending: bool) -> None:
+        """Free what we made, unless calls are still in MPI (then they keep it: MPI has no
+        cancel for collectives, and freeing what a pending call uses is erroneous)."""
         self.endpoint.cancel()
+        if pending:
+            return
         for op in self._ops.values():
             op.Free()
         for kind in self._types.values():

@@ -83,6 +83,7 @@ class TorchAdapter:
 
     name = "torch"
     devices = True  # takes CUDA tensors as they are
+    max_tag = (1 << 62) - 1  # user tags travel on the native communicator, offset by 2**62
 
     def __init__(self, group: Any, host: Any, endpoint: NativeEndpoint) -> None:
         import torch
@@ -178,7 +179,7 @@ class TorchAdapter:
         op.request.on_wait = lambda: torch.cuda.current_stream(tensor.device).wait_event(done)
         return _Queued()
 
-    def close(self) -> None:
+    def close(self, pending: bool) -> None:
         self.endpoint.cancel()  # (the groups belong to the caller's torch.distributed job)
 
 

@@ -272,9 +272,14 @@ _STAGERS_LOCK = threading.Lock()
 
 
 def stager_for(comm: Communicator, device: torch.device) -> Stager | None:
-    """The stager of ``device`` on ``comm``; None for the CPU (its tensors need no copy).
+    """The stager of ``device`` on ``comm``; None for the CPU (its tensors need no copy), and
+    for any device where the communicator's engine takes the tensors as they are
+    (``backend="torch"``: CUDA tensors go to NCCL directly).
 
     Raises ``UsageError`` for a device that is neither."""
+    engine = comm._ordered
+    if device.type == "cuda" and getattr(engine and engine.adapter, "devices", False):
+        return None
     make = STAGED.get(device.type)
     if make is None:
         if device.type == "cpu":

@@ -24,8 +24,9 @@ log = logging.getLogger("asyncreduce.comm")
 
 def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
     """A communicator over ``comm`` (an mpi4py communicator; COMM_WORLD by default)."""
-    from .mpi import MpiAdapter, check_thread_level
+    from .mpi import MpiAdapter, check_thread_level, prefer_ring
 
+    prefer_ring()
     check_thread_level()
     from mpi4py import MPI
 

@@ -50,7 +50,9 @@ __all__ = ["OrderedEngine", "Posted", "Adapter", "Running", "FUSION_BYTES"]
 
 log = logging.getLogger("asyncreduce.ordered")
 Key = tuple[bytes, int]
-_POLL = 50e-6  # seconds between polls of a running operation, past the spin
+_POLL, _POLL_MAX = 50e-6, 500e-6  # seconds between polls past the spin: doubling while
+# nothing moves (a long transfer over TCP needs little attention; every test costs CPU the
+# caller's computation could use: bench overlap --hosts), back to the least at each event
 _LINGER = 2.0
 #: Agreed allreduces up to this many bytes each, of one dtype and reduction, run as one engine
 #: call of up to this many bytes (ASYNCREDUCE_FUSION_BYTES; 0: never). Chosen by measurement:
@@ -224,7 +226,7 @@ class OrderedEngine:
             self._close_adapter()
 
     def _loop(self) -> None:
-        last_event = time.monotonic()
+        last_event, nap = time.monotonic(), _POLL
         while True:
             busy = bool(self._posted or self._calls)
             idle = not busy and time.monotonic() - last_event > self.settings.spin
@@ -234,10 +236,11 @@ class OrderedEngine:
             moved = took | self._poll_channel() | self._poll_calls()
             now = time.monotonic()
             if moved:
-                last_event = now
+                last_event, nap = now, _POLL
             self._housekeeping(now)
             if busy and not moved and now - last_event > self.settings.spin:
-                time.sleep(_POLL)
+                time.sleep(nap)
+                nap = min(2 * nap, _POLL_MAX)
             elif not moved:
                 os.sched_yield()
 

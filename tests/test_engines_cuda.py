@@ -21,11 +21,17 @@ from spmd import free_port  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+def _join(rank: int, n: int, port: int, backend: str) -> object:
+    """Join the torch.distributed job of this test on this rank's GPU (GPU 0 for both, with one)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=n)
+    return device
+
+
+def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+    device = _join(rank, n, port, backend)
     try:
         with ar.init(backend="torch") as comm:
             side = torch.cuda.Stream(device)
@@ -44,8 +50,8 @@ def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
+def _two_ranks(target: object, backend: str, timeout: float) -> list[tuple]:
+    """``target(rank, 2, port, backend, out)`` in two spawned processes; what each put, by rank."""
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a GPU per rank")
     import multiprocessing as mp
@@ -53,12 +59,18 @@ def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, backend, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, backend, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = sorted(out.get(timeout=120) for _ in procs)
+    got = sorted(out.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join(30)
+    return got
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
+    got = _two_ranks(_rank, backend, 120)
     for _, first, last, b in got:
         assert first == last == 3.0  # avg of 1 and 2, times 2
         assert b == (np.arange(8.0) * 2).tolist()
@@ -69,10 +81,7 @@ def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
     half of a batch; the result must be what one process gets on the whole batch."""
     import asyncreduce.torch as art
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=n)
+    device = _join(rank, n, port, backend)
     try:
         with ar.init(backend="torch") as comm:
             finals = {}
@@ -115,18 +124,6 @@ def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_data_parallel_on_cuda_over_the_torch_backend_is_exact(backend: str) -> None:
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip("NCCL needs a GPU per rank")
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_dp_rank, args=(r, 2, port, backend, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(30)
+    got = _two_ranks(_dp_rank, backend, 180)
     for _, diffs in got:
         assert all(d < 1e-10 for d in diffs.values()), diffs

@@ -211,3 +211,13 @@ def test_contributions_out_of_round_or_twice_are_refused() -> None:
     a.post(entry("k"))
     with pytest.raises(AgreementError, match="posted twice"):
         a.post(entry("k"))
+
+
+def test_a_stopped_rank_finishes_its_round_and_starts_no_other() -> None:
+    a = Agreement(0, 2)
+    a.post(entry("x"))  # round 0 contributed
+    a.stop()
+    a.receive(1, encode(0, [entry("x")]))  # round 0 completes: x agreed
+    assert [g.key for g in a.take_agreed()] == [(b"x", 0)]
+    a.post(entry("y"))  # (a closing engine fails such posts; the agreement stays silent)
+    assert a.receive(1, encode(1, [entry("z")])) == []

@@ -130,6 +130,7 @@ class Agreement:
         self._waiting: set[Key] = set()  # posted here, not yet agreed
         self._agreed: list[Agreed] = []
         self._peers = [p for p in range(world_size) if p != rank]
+        self._stopped = False  # closing: no contribution to any new round
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -154,7 +155,9 @@ class Agreement:
             raise AgreementError(f"rank {peer} contributed to round {round_} twice")
         heard[peer] = entries
         out = []
-        if round_ == self.round and not self._sent and (self._waiting or self._new):
+        if round_ == self.round and not self._sent and not self._stopped and (
+            self._waiting or self._new
+        ):
             out = self._contribute()  # answer at once: this rank waits for something
         return out + self._maybe_complete()
 
@@ -212,9 +215,14 @@ class Agreement:
         self.round += 1
         self._sent, self._mine = False, []
         follow = self._heard.get(self.round, {})
-        if self._new or (follow and self._waiting):
+        if not self._stopped and (self._new or (follow and self._waiting)):
             return self._contribute()
         return []
+
+    def stop(self) -> None:
+        """This rank is leaving: it finishes the round it contributed to, if it did, and
+        contributes to no other (its peers, told goodbye, will not expect one)."""
+        self._stopped = True
 
     def _agree(self, key: Key) -> Agreed:
         posts = self._known.pop(key)

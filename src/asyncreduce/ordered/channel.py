@@ -89,10 +89,14 @@ class Channel:
         for peer in self._peers:
             while peer in self._recvs:
                 handle, buffer = self._recvs[peer]
-                got = self.endpoint.test(handle)
-                if got is None:
-                    break
-                piece = self._unframe(peer, buffer, got)
+                try:
+                    got = self.endpoint.test(handle)
+                    if got is None:
+                        break
+                    piece = self._unframe(peer, buffer, got)
+                except Exception:
+                    del self._recvs[peer]  # nothing more is read from that peer
+                    raise
                 if piece is not None and piece[0] == GOODBYE:
                     del self._recvs[peer]  # it sends nothing more
                 else:

@@ -39,12 +39,12 @@ import numpy as np
 from ..algorithms import DType
 from ..algorithms.reduction import finalize
 from ..engine import Settings, describe
-from ..errors import AsyncReduceError, BrokenError, ClosedError, MismatchError, ranks_phrase
+from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
 from ..flight import FlightRecorder, Record
 from ..request import Request
 from ..transport.frame import Descriptor
-from .agreement import Agreed, Agreement, AgreementError, Entry
-from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel, ChannelError, Endpoint
+from .agreement import Agreed, Agreement, Entry
+from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel, Endpoint
 
 __all__ = ["OrderedEngine", "Posted", "Adapter", "Running", "FUSION_BYTES"]
 
@@ -221,14 +221,15 @@ class OrderedEngine:
             with self._lock:
                 self._closed = True
             self._fail_queued()
+            self._fail_left()
             if self._calls:  # MPI may still read or write their memory: never free it
                 _ABANDONED.extend(self._calls)
             self._close_adapter()
 
     def _loop(self) -> None:
         last_event, nap = time.monotonic(), _POLL
-        while True:
-            busy = bool(self._posted or self._calls)
+        while True:  # (once broken, failed ops left offered keep nobody spinning)
+            busy = bool(self._calls) or (self._broken is None and bool(self._posted))
             idle = not busy and time.monotonic() - last_event > self.settings.spin
             stop, took = self._take(block=idle)  # (spin a while first: the next post is near)
             if stop:
@@ -264,6 +265,11 @@ class OrderedEngine:
         if self._broken is not None:
             op.request.set_exception(_broken_by(op, self._broken))
             return
+        if self._departed:  # (submitted before the goodbye was read): nobody can agree it
+            why = next(iter(self._departed.values()))
+            op.request.set_exception(BrokenError(f"{op.label}: {why}"))
+            self._break(BrokenError(f"{why} while rank {self.rank} had {op.label} pending"))
+            return
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, time.time()))
         if op.timeout is not None:
             heapq.heappush(self._deadlines, (op.started + op.timeout, next(self._order), op))
@@ -274,14 +280,16 @@ class OrderedEngine:
         self._send_rounds(self._agreement.post(Entry(*op.key, op.desc, op.priority)))
 
     def _send_rounds(self, out: list[tuple[int, bytes]]) -> None:
-        for peer, message in out:
-            self._channel.send(peer, ROUND, message)
-        self._run_agreed(self._agreement.take_agreed())
+        try:
+            for peer, message in out:
+                self._channel.send(peer, ROUND, message)
+        finally:  # what was agreed runs, whatever happened to the messages
+            self._run_agreed(self._agreement.take_agreed())
 
     def _poll_channel(self) -> bool:
         try:
             return self._read_channel()
-        except (ChannelError, AgreementError, AsyncReduceError) as exc:
+        except Exception as exc:  # (a lost peer in the native endpoint, an MPI error, ...)
             self._break(BrokenError(f"rank {self.rank}: the control channel failed: {exc}"))
             return True
 
@@ -362,14 +370,13 @@ class OrderedEngine:
     def _complete(self, call: _Call) -> None:
         at = 0
         for op in call.ops:
+            n, at = op.flat.size, at + op.flat.size
+            if op.request.done():  # failed meanwhile: it ran for the peers' sake; its memory
+                continue  # is no longer the caller's to write
             if call.scratch is not None:
-                n = op.flat.size
-                op.flat[...] = call.scratch[at : at + n]
-                at += n
+                op.flat[...] = call.scratch[at - n : at]
             if op.op == "avg" and isinstance(op.flat, np.ndarray):
                 finalize(op.dtype, op.op, op.flat, self.world_size)
-            if op.request.done():  # failed meanwhile: it ran on scratch memory, for the peers
-                continue
             if op.record is not None:
                 self.flight.finish(op.record, None)
             try:
@@ -391,9 +398,12 @@ class OrderedEngine:
         they need this rank in the engine call: it stays posted, on a scratch copy, so the
         caller's memory is free from now on; an op issued already stays in the engine."""
         if op.key in self._posted and not op.request.done():
-            op.flat = _scratch(op.flat)
-            op.sends = {p: _scratch(a) for p, a in (op.sends or {}).items()}
-            op.recvs = {p: _scratch(a) for p, a in (op.recvs or {}).items()}
+            try:
+                op.flat = _scratch(op.flat, op.ready)
+                op.sends = {p: _scratch(a) for p, a in (op.sends or {}).items()}
+                op.recvs = {p: _scratch(a) for p, a in (op.recvs or {}).items()}
+            except Exception as exc:  # (out of memory): then it cannot run for anybody
+                log.error("rank %d: no scratch copy of %s: %s", self.rank, op.label, exc)
         if op.record is not None and op.record.state == "pending":
             self.flight.finish(op.record, error)
         if not op.request.done():
@@ -499,7 +509,8 @@ class OrderedEngine:
         if after <= 0:
             return
         for key, op in self._posted.items():
-            if now - op.started >= after and now - self._warned.get(key, -1e18) >= after:
+            due = now - op.started >= after and now - self._warned.get(key, -1e18) >= after
+            if due and not op.request.done():
                 self._warned[key] = now
                 message = (f"stall: {op.label} posted on rank {self.rank} "
                            f"{now - op.started:.0f} s ago; {self._waiting_for(op)}")  # fmt: skip
@@ -521,9 +532,11 @@ class OrderedEngine:
         while self._calls and time.monotonic() < deadline:
             if not self._poll_calls():
                 time.sleep(_POLL)
-        for op in [op for c in self._calls for op in c.ops]:
-            self._fail(op, ClosedError(f"{op.label}: the communicator was closed"))
+        if self._calls:  # still in the engine: the peers hear BREAK before GOODBYE
+            self._break(BrokenError(f"rank {self.rank} closed with {self._calls[0].ops[0].label} "
+                                    "still running"))  # fmt: skip
         reason = f"it was broken: {self._broken}".encode()[:4096] if self._broken else b""
+        self._agreement.stop()  # no new round: peers stop reading from us at our GOODBYE
         self._tell_all(GOODBYE, reason)
         # Until every peer said goodbye too (or the linger passed), keep answering rounds and
         # running what they agree: a peer may have agreed one of ours before it heard ours.
@@ -543,6 +556,13 @@ class OrderedEngine:
                 return
             if op is not None and not op.request.done():
                 cause = self._broken or ClosedError("the communicator was closed")
+                op.request.set_exception(_broken_by(op, cause))
+
+    def _fail_left(self) -> None:
+        """Fail every request still pending as the thread ends (a crash, a failed break)."""
+        cause = self._broken or ClosedError("the communicator was closed")
+        for op in [*self._posted.values(), *(o for c in self._calls for o in c.ops)]:
+            if not op.request.done():
                 op.request.set_exception(_broken_by(op, cause))
 
     def _close_adapter(self) -> None:
@@ -582,9 +602,16 @@ def _fuse(ops: list[Posted], limit: int) -> list[list[Posted]]:
     return groups
 
 
-def _scratch(flat: Any) -> Any:
-    """A copy of an operation's memory to run it on once its caller has been told it failed."""
-    return flat.copy() if isinstance(flat, np.ndarray) else flat.clone()
+def _scratch(flat: Any, ready: Any = None) -> Any:
+    """A copy of an operation's memory to run it on once its caller has been told it failed
+    (a device tensor: copied after its producer's kernels, on this thread's stream)."""
+    if isinstance(flat, np.ndarray):
+        return flat.copy()
+    if ready is not None:
+        import torch
+
+        torch.cuda.current_stream(flat.device).wait_event(ready)
+    return flat.clone()
 
 
 def _pack(group: list[Posted]) -> Any:

@@ -509,3 +509,47 @@ def test_torch_suite_selection(n: int, tmp_path: Path) -> None:
     outcomes = json.loads(report.read_text())
     failed = sorted(t for t, o in outcomes.items() if o != "passed")
     assert not failed and len(outcomes) >= 13, out.stdout[-4000:]
+
+
+# ---- review mends: futures whose callbacks wait, subgroups, outputs ------------------------------
+
+
+def body_waiting_callback(rank: int, n: int, port: int) -> list[float]:
+    """A ``then`` callback that waits on another Work's future (PowerSGD's hooks do): it must
+    not hang, since the callback does not run on the thread that settles futures."""
+    _init(rank, n, port, "env")
+    try:
+        t = torch.full((4,), float(rank + 1))
+
+        def then(fut: Any) -> Any:
+            u = fut.value()[0].clone()
+            return dist.all_reduce(u, async_op=True).get_future().wait()[0]
+
+        chained = dist.all_reduce(t, async_op=True).get_future().then(then)
+        return chained.wait().tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_future_callback_may_wait_on_another_work() -> None:
+    results = run_ranks(2, body_waiting_callback, connect=False, timeout=60)
+    assert results[0] == results[1] == [6.0] * 4  # (1 + 2) summed twice over 2 ranks
+
+
+def body_subgroup_communicator(rank: int, n: int, port: int) -> list[float]:
+    """``communicator(subgroup)`` reduces over the subgroup, not over the world."""
+    _init(rank, n, port, "env")
+    try:
+        sub = dist.new_group([0, 1])
+        if rank > 1:
+            return []
+        comm = art.communicator(sub)
+        assert comm.world_size == 2
+        return comm.allreduce(np.full(2, rank + 1.0), name="sub").tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_communicator_of_a_subgroup_is_the_subgroup() -> None:
+    results = run_ranks(3, body_subgroup_communicator, connect=False, timeout=60)
+    assert results[0] == results[1] == [3.0, 3.0] and results[2] == []

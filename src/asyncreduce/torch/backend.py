@@ -21,6 +21,7 @@ group's rank and size and the global ranks in it, and returns an ``AsyncReducePr
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ class _Work(dist._Work):  # type: ignore[misc, name-defined]
         self._outputs = outputs
         self._finish = finish  # copies results into place, once, after the requests are done
         self._lock = threading.RLock()  # a closed communicator runs callbacks inline
+        self._settled = False  # the torch future got its result or error
         self._future: torch.futures.Future[Any] | None = None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -86,17 +88,26 @@ class _Work(dist._Work):  # type: ignore[misc, name-defined]
         return self._future
 
     def _settle(self, request: Any, pending: list[int]) -> None:
-        future = self._future
-        assert future is not None
-        error = request.exception()
+        """On the communicator's callback thread: hand the torch future to a thread of its own,
+        since torch runs the future's ``then`` callbacks inline and one may wait on another
+        Work's future, which this very thread would have to settle (PowerSGD's hooks do)."""
         with self._lock:
             pending[0] -= 1
             last = pending[0] == 0
-        if future.done():
+        error = request.exception()
+        if error is not None or last:
+            _settlers().submit(self._settle_future, error)
+
+    def _settle_future(self, error: BaseException | None) -> None:
+        future = self._future
+        assert future is not None
+        with self._lock:  # (an error and the last request may both come: settle once)
+            settled, self._settled = self._settled, True
+        if settled:
             return
         if error is not None:
             future.set_exception(error)
-        elif last:
+        else:
             try:
                 self._done()
             except Exception as exc:  # noqa: BLE001 - torch's future carries it
@@ -105,13 +116,18 @@ class _Work(dist._Work):  # type: ignore[misc, name-defined]
             future.set_result(self._outputs)
 
     def _done(self) -> None:
+        """Copy results into torch's outputs, once; a concurrent caller returns only after."""
         with self._lock:
             finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
+            if finish is not None:
+                finish()
 
     def is_completed(self) -> bool:
-        return all(r.done() for r in self._requests)
+        if not all(r.done() for r in self._requests):
+            return False
+        if all(r.exception() is None for r in self._requests):
+            self._done()  # the outputs are filled once it says so
+        return True
 
     def is_success(self) -> bool:
         return self.is_completed() and all(r.exception() is None for r in self._requests)
@@ -379,8 +395,19 @@ def _joined(works: list[_Work], outputs: list[Any]) -> _Work:
 # ---- creating process groups -----------------------------------------------------------------
 
 _WORLD: dict[str, tuple[Communicator, tuple[int, ...]]] = {}  # "comm": (it, its global ranks)
-_GROUPS: dict[int, Communicator] = {}  # id(process group) -> its communicator
+_GROUPS: dict[int, Communicator] = {}  # id(process group) -> the communicator users get
 _LOCK = threading.Lock()
+_SETTLERS: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _settlers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that complete torch futures (see ``_Work._settle``): a pool, so that a
+    ``then`` callback waiting on another Work's future holds one thread, not all of them."""
+    with _LOCK:
+        if not _SETTLERS:
+            _SETTLERS.append(concurrent.futures.ThreadPoolExecutor(
+                16, thread_name_prefix="asyncreduce-torch-future"))  # fmt: skip
+        return _SETTLERS[0]
 
 
 def _create(options: Any, backend_options: Any) -> AsyncReduceProcessGroup:
@@ -398,9 +425,14 @@ def _create(options: Any, backend_options: Any) -> AsyncReduceProcessGroup:
             base, base_members = owns, members
         else:
             base, base_members = found
-    group = base.group([base_members.index(m) for m in members])
+    indices = [base_members.index(m) for m in members]
+    group = base.group(indices)
+    # What communicator(pg) hands out: the whole communicator for a group of all its ranks;
+    # for a subgroup, a sibling view of the same ranks with keys of its own (its unnamed
+    # operations never mix with torch's on the group). Made here, as every member makes pg.
+    users = base if len(indices) == base.world_size else base.group(indices)
     pg = AsyncReduceProcessGroup(group, rank, size, timeout, owns)
-    _GROUPS[id(pg)] = group
+    _GROUPS[id(pg)] = users
     return pg
 
 
@@ -437,7 +469,7 @@ def communicator(group: Any = None) -> Communicator:
     found = _GROUPS.get(id(pg))
     if found is None:
         raise UsageError(f"{pg!r} is not a process group of the asyncreduce backend")
-    return found._parent or found
+    return found
 
 
 def register() -> None:

@@ -279,3 +279,24 @@ def test_arguments_win_over_the_environment() -> None:
     place = detect(1, 2, "127.0.0.1", 1234, env={"RANK": "0", "WORLD_SIZE": "5"})
     assert (place.rank, place.world_size, place.launcher) == (1, 2, "arguments")
     assert (place.rendezvous.kind, place.rendezvous.port) == ("serve", 1234)
+
+
+@pytest.mark.parametrize("pmi", [{"PMIX_RANK": "1"}, {"PMI_RANK": "1", "PMI_SIZE": "3"}])
+def test_srun_with_a_pmi_plugin_is_still_srun(pmi: dict[str, str]) -> None:
+    """Clusters with MpiDefault=pmix (or pmi2) give srun's tasks PMI variables too."""
+    from asyncreduce.launchers import detect
+
+    place = detect(env={**srun_env(1, 3, 15123), **pmi})
+    assert place.launcher == "srun" and (place.rank, place.world_size) == (1, 3)
+    assert place.local_rank == 1
+
+
+def test_mpirun_inside_an_allocation_is_mpirun() -> None:
+    """Every rank of an mpirun in an salloc shell inherits SLURM_PROCID=0."""
+    from asyncreduce.launchers import detect
+
+    env = {**srun_env(0, 1, 15123), "PMIX_RANK": "2", "OMPI_COMM_WORLD_RANK": "2",
+           "OMPI_COMM_WORLD_SIZE": "4"}  # fmt: skip
+    place = detect(env=env)
+    assert place.launcher.startswith("mpirun") and (place.rank, place.world_size) == (2, 4)
+

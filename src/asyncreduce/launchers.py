@@ -126,7 +126,7 @@ def _from_launcher(env: Mapping[str, str]) -> Place | None:
         name = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "asyncreduce run"
         agent = name == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return _plain(env, name, Rendezvous("agent" if agent else "serve"))
-    mpi = _from_mpi(env)
+    mpi = None if _srun_through_pmi(env) else _from_mpi(env)
     if mpi is not None:
         return mpi
     try:
@@ -140,6 +140,17 @@ def _from_launcher(env: Mapping[str, str]) -> Place | None:
     if "RANK" in env or "WORLD_SIZE" in env:
         return _plain(env, "environment", Rendezvous("serve"))
     return None
+
+
+def _srun_through_pmi(env: Mapping[str, str]) -> bool:
+    """srun itself, with a PMI plugin (MpiDefault=pmix or pmi2) that sets PMIX_RANK or
+    PMI_RANK in every task: the same rank as SLURM_PROCID and no MPI runtime's own variables.
+    (mpirun inside an allocation gives every rank the allocation's one SLURM_PROCID.)"""
+    if "SLURM_PROCID" not in env:
+        return False
+    present = [f for f in _MPI if f[1] in env]
+    own = any(f[0] in ("Open MPI", "MVAPICH") for f in present)
+    return bool(present) and not own and all(env[f[1]] == env["SLURM_PROCID"] for f in present)
 
 
 def _plain(env: Mapping[str, str], launcher: str, rendezvous: Rendezvous) -> Place:

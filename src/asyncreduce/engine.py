@@ -81,7 +81,7 @@ from .transport.frame import (
     pack_header,
 )
 
-__all__ = ["Engine", "Operation", "Settings", "describe", "ON_DEVICE"]
+__all__ = ["Engine", "Operation", "Settings", "describe", "ON_DEVICE", "broken_by"]
 
 log = logging.getLogger("asyncreduce.engine")
 log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
@@ -353,7 +353,7 @@ class Engine(FrameSink):
                 self._close_all()
                 return False
             if self._broken is not None:
-                self._fail(op, _broken_by(op, self._broken))
+                self._fail(op, broken_by(op, self._broken))
             else:
                 self._start(op)
         return True
@@ -636,7 +636,7 @@ class Engine(FrameSink):
                 return
             self._broken = error
         for op in list(self._ops.values()):
-            self._fail(op, _broken_by(op, error))
+            self._fail(op, broken_by(op, error))
         self._deferred.clear()
         reason = str(error).encode()[:MAX_ERROR_BYTES]
         if about is None:
@@ -850,8 +850,9 @@ def _posted(op: Operation) -> bytes:
     return pack_header(INQUIRY, op.key[0], op.key[1], 0, POSTED, 0, op.desc)
 
 
-def _broken_by(op: Operation, cause: BaseException) -> BrokenError:
-    """The error of an operation that fails because the communicator broke: ``cause`` chained."""
+def broken_by(op: Any, cause: BaseException) -> BrokenError:
+    """The error of an operation (anything with a ``label``) that fails because the
+    communicator broke: ``cause`` chained. The ordered engine's failures are worded alike."""
     error = BrokenError(f"{op.label} failed: the communicator is broken: {cause}")
     error.__cause__ = cause
     return error

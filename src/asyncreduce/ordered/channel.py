@@ -62,7 +62,6 @@ class Channel:
         self._recvs: dict[int, tuple[Any, bytearray]] = {}
         self._partial: dict[int, list[bytes]] = {p: [] for p in self._peers}
         self._sends: deque[Any] = deque()
-        self.sent_bytes = 0
         for peer in self._peers:
             self._post_recv(peer)
 
@@ -76,11 +75,6 @@ class Channel:
             if self.endpoint.exact:
                 framed = framed.ljust(self.endpoint.slot, b"\0")
             self._sends.append(self.endpoint.isend(peer, framed))
-            self.sent_bytes += len(framed)
-
-    def broadcast(self, kind: int, body: bytes = b"") -> None:
-        for peer in self._peers:
-            self.send(peer, kind, body)
 
     def poll(self) -> Iterator[tuple[int, int, bytes]]:
         """Every whole message that arrived, as (peer, kind, body); retires finished sends."""
@@ -103,11 +97,6 @@ class Channel:
                     self._post_recv(peer, buffer)  # (its bytes were copied out)
                 if piece is not None:
                     yield peer, piece[0], piece[1:]
-
-    @property
-    def sending(self) -> bool:
-        """Sends not yet known to be complete."""
-        return bool(self._sends)
 
     def drain_sends(self, timeout: float) -> None:
         """Wait (polling) up to ``timeout`` s for queued sends to complete."""

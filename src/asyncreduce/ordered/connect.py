@@ -46,7 +46,9 @@ def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
             comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group())
         )
         endpoint = NativeEndpoint(_native(timeout), world.__getitem__)
-    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint), Settings.from_env())
+    one_host = local[1] == size
+    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint, one_host),
+                           Settings.from_env())  # fmt: skip
     return _started(Communicator(rank, size, engine, local=local), "mpi", timeout)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..algorithms import DType
 from ..algorithms.reduction import finalize
-from ..engine import Settings, describe
+from ..engine import Settings, broken_by, describe
 from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
 from ..flight import FlightRecorder, Record
 from ..request import Request
@@ -263,7 +263,7 @@ class OrderedEngine:
 
     def _accept(self, op: Posted) -> None:
         if self._broken is not None:
-            op.request.set_exception(_broken_by(op, self._broken))
+            op.request.set_exception(broken_by(op, self._broken))
             return
         if self._departed:  # (submitted before the goodbye was read): nobody can agree it
             why = next(iter(self._departed.values()))
@@ -316,6 +316,7 @@ class OrderedEngine:
         ops = []
         for a in agreed:
             op = self._posted.pop(a.key, None)
+            self._warned.pop(a.key, None)
             if op is None:  # cannot happen: every agreed key was posted here
                 log.error("rank %d: agreed %r was never posted here", self.rank, a.key)
                 continue
@@ -417,7 +418,7 @@ class OrderedEngine:
         self.flight.broken = f"{type(error).__name__}: {error}"
         pending = list(self._posted.values()) + [op for c in self._calls for op in c.ops]
         for op in pending:  # (engine calls go on: MPI has no cancel, and peers are in them)
-            self._fail(op, _broken_by(op, error))
+            self._fail(op, broken_by(op, error))
         name, instance = about.key if about is not None else (b"", 0)
         code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
         body = _BREAK_HEAD.pack(code, len(name), instance) + name + str(error).encode()[:4096]
@@ -556,14 +557,14 @@ class OrderedEngine:
                 return
             if op is not None and not op.request.done():
                 cause = self._broken or ClosedError("the communicator was closed")
-                op.request.set_exception(_broken_by(op, cause))
+                op.request.set_exception(broken_by(op, cause))
 
     def _fail_left(self) -> None:
         """Fail every request still pending as the thread ends (a crash, a failed break)."""
         cause = self._broken or ClosedError("the communicator was closed")
         for op in [*self._posted.values(), *(o for c in self._calls for o in c.ops)]:
             if not op.request.done():
-                op.request.set_exception(_broken_by(op, cause))
+                op.request.set_exception(broken_by(op, cause))
 
     def _close_adapter(self) -> None:
         if self.adapter is not None:
@@ -616,9 +617,3 @@ def _scratch(flat: Any, ready: Any = None) -> Any:
 
 def _pack(group: list[Posted]) -> Any:
     return np.concatenate([op.flat for op in group])
-
-
-def _broken_by(op: Posted, cause: BaseException) -> BrokenError:
-    error = BrokenError(f"{op.label} failed: the communicator is broken: {cause}")
-    error.__cause__ = cause
-    return error

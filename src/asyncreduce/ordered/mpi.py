@@ -156,14 +156,13 @@ class MpiAdapter:
 
     name = "mpi"
 
-    def __init__(self, comm: Any, endpoint: Endpoint | None = None) -> None:
+    def __init__(self, comm: Any, endpoint: Endpoint | None, one_host: bool) -> None:
+        """``one_host``: every rank of ``comm`` shares this host (connect.py counted them)."""
         mpi = _mpi()
         self._mpi = mpi
         self._data, self._control, self._p2p = comm.Dup(), comm.Dup(), comm.Dup()
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
-        node = comm.Split_type(mpi.COMM_TYPE_SHARED)
-        self.one_host = node.Get_size() == self.world_size  # every rank shares this host
-        node.Free()
+        self.one_host = one_host
         self.endpoint: Endpoint = endpoint or MpiEndpoint(self._control)
         self.max_tag = int(comm.Get_attr(mpi.TAG_UB))  # (a larger tag: UsageError at post)
         self._ops: dict[tuple[str, str], Any] = {}

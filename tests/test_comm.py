@@ -600,10 +600,10 @@ def body_crash(comm: ar.Communicator) -> tuple[str, float]:
         engine = comm._engine
         assert engine is not None
 
-        def bug() -> None:
+        def bug(now: float) -> None:
             raise ZeroDivisionError("injected")
 
-        engine._expire = bug  # type: ignore[method-assign]  # the next loop turn crashes
+        engine.session.tick = bug  # type: ignore[method-assign]  # the next loop turn crashes
         engine.transport.wakeup()
         while engine.broken is None:  # else a busy-polling thread may finish the next
             time.sleep(0.001)  # allreduce in the same turn, before it crashes

@@ -7,28 +7,23 @@ answered (or a few seconds passed), one warning names the operation and the rank
 posted it, the diagnostic Horovod users rely on, without a coordinator: any rank can ask.
 Each operation is asked about once per ``after`` seconds, so a long stall warns again.
 
-The engine does the sending and receiving; this class keeps the questions and words the answer.
+The session sends the questions (wire.Ask) and passes on the answers (wire.Answer); this class
+keeps the questions and words the warning. Times are passed in (monotonic seconds).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .errors import ranks_phrase
+from ..errors import ranks_phrase
+from .wire import ANSWERS, DONE, FAILED, NOT_POSTED, PENDING
 
-__all__ = [
-    "StallInspector", "ANSWERS", "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED",
-]  # fmt: skip
+__all__ = ["StallInspector"]
 
 log = logging.getLogger("asyncreduce.stall")
 
-ASK = 0
-PENDING, NOT_POSTED, DONE, FAILED = 1, 2, 3, 4
-POSTED = 5  # not an answer: flow control's "you may send me this operation's frames now"
-ANSWERS = {PENDING: "pending", NOT_POSTED: "not posted", DONE: "done", FAILED: "failed"}
 _ANSWER_WAIT = 3.0  # seconds to wait for every answer before warning with what came
 
 
@@ -63,12 +58,12 @@ class StallInspector:
         if len(self._last_asked) > 4096:
             self._last_asked.pop(next(iter(self._last_asked)))
 
-    def answered(self, key: tuple[bytes, int], peer: int, answer: int) -> None:
+    def answered(self, key: tuple[bytes, int], peer: int, answer: int, now: float) -> None:
         question = self._asked.get(key)
         if question is not None and answer in ANSWERS:
             question.answers[peer] = answer
             if len(question.answers) == self.world_size - 1:
-                self._report(key)
+                self._report(key, now)
 
     def forget(self, key: tuple[bytes, int]) -> None:
         """The operation ended here: no warning for it any more."""
@@ -78,15 +73,15 @@ class StallInspector:
         """Warn with partial answers about questions asked too long ago."""
         for key, question in list(self._asked.items()):
             if now - question.asked_at > _ANSWER_WAIT:
-                self._report(key)
+                self._report(key, now)
 
-    def _report(self, key: tuple[bytes, int]) -> None:
+    def _report(self, key: tuple[bytes, int], now: float) -> None:
         question = self._asked.pop(key)
         by_answer: dict[int, list[int]] = {}
         for peer, answer in sorted(question.answers.items()):
             by_answer.setdefault(answer, []).append(peer)
         silent = sorted(set(range(self.world_size)) - set(question.answers) - {self.rank})
-        waited = time.monotonic() - question.posted_at
+        waited = now - question.posted_at
         parts = [f"stall: {question.label} posted on rank {self.rank} {waited:.0f} s ago"]
         if NOT_POSTED in by_answer:
             parts.append(f"never posted by {ranks_phrase(by_answer[NOT_POSTED])}")

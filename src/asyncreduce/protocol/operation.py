@@ -1,0 +1,119 @@
+"""One posted operation as the protocol drives it, the settings that tune the protocol, and the
+recycled buffers that frames arriving before their operation land in.
+
+An ``Operation`` is built by the posting thread (its key, descriptor, algorithm state machine
+and request) and from then on touched only by the engine thread. ``unsent`` counts the frames
+handed to the transport that have not left yet: an operation completes only when its algorithm
+is done and ``unsent`` is 0, so the caller may reuse its buffer at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..algorithms import Array, Collective
+from ..errors import UsageError
+from ..flight import Record
+from ..request import Request
+from ..transport.frame import Descriptor
+from .wire import Key
+
+__all__ = ["Operation", "Settings", "Spares", "bytes_of", "env_number"]
+
+
+@dataclass(eq=False)
+class Operation:
+    """One posted operation, as the engine drives it."""
+
+    key: Key
+    label: str
+    desc: Descriptor
+    algo: Collective
+    request: Request[Any]
+    result: Callable[[], Any]
+    priority: int = 0
+    timeout: float | None = None
+    unsent: int = 0
+    deadline: float = field(default=0.0, init=False)
+    age: int = field(default=0, init=False)  # start order here: older operations' frames first
+    posted_at: float = field(default=0.0, init=False)  # wall clock, set by Engine.submit
+    started: float = field(default=0.0, init=False)  # monotonic, for the stall inspector
+    small: bool = field(default=False, init=False)  # latency-bound (see Engine._poll)
+    ended: bool = field(default=False, init=False)  # its request was given its outcome
+    record: Record | None = field(default=None, init=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How an engine watches over its peers; ``from_env`` reads the ASYNCREDUCE_* variables."""
+
+    peer_timeout: float = 30.0  # a rank silent this long (no frame, no heartbeat) is dead
+    stall_warning: float = 60.0  # warn about an operation pending this long (0: never)
+    held_bytes: int = 1 << 30  # frames held for operations not posted here, before pausing
+    flight_records: int = 1000  # operations the flight recorder keeps
+    flight_dir: str | None = None  # where the flight record is written when the engine breaks
+    spin: float = 250e-6  # busy-poll this long after a small operation's last event (0: never)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read ASYNCREDUCE_PEER_TIMEOUT, _STALL_WARNING, _HELD_BYTES, _FLIGHT_RECORDS,
+        _FLIGHT_DIR and _SPIN_US; a value that is not a number is an error naming the variable."""
+        return cls(
+            peer_timeout=env_number("ASYNCREDUCE_PEER_TIMEOUT", cls.peer_timeout, float, 0.05),
+            stall_warning=env_number("ASYNCREDUCE_STALL_WARNING", cls.stall_warning, float, 0),
+            held_bytes=env_number("ASYNCREDUCE_HELD_BYTES", cls.held_bytes, int, 0),
+            flight_records=env_number("ASYNCREDUCE_FLIGHT_RECORDS", cls.flight_records, int, 1),
+            flight_dir=os.environ.get("ASYNCREDUCE_FLIGHT_DIR") or None,
+            spin=env_number("ASYNCREDUCE_SPIN_US", cls.spin * 1e6, float, 0) / 1e6,
+        )
+
+
+def env_number(name: str, default: Any, kind: type, least: float) -> Any:
+    """The number in environment variable ``name`` (``default`` if unset), at least ``least``."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not least <= value < math.inf:
+        raise UsageError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
+    return value
+
+
+class Spares:
+    """Recycled payload buffers for frames that arrive before their operation is posted.
+
+    Such frames are common when ranks run back-to-back operations; a fresh buffer per frame
+    would cost a memset and page faults each time.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._free: dict[int, list[memoryview]] = {}
+        self._bytes = 0
+        self._limit = limit
+
+    def take(self, size: int) -> memoryview:
+        free = self._free.get(size)
+        if free:
+            self._bytes -= size
+            return free.pop()
+        return bytes_of(np.empty(size, np.uint8))
+
+    def give(self, buffer: memoryview) -> None:
+        size = buffer.nbytes
+        if size and self._bytes + size <= self._limit and not buffer.readonly:
+            self._free.setdefault(size, []).append(buffer)
+            self._bytes += size
+
+
+def bytes_of(array: Array) -> memoryview:
+    """The bytes of a contiguous array, writable where the array is."""
+    return memoryview(array).cast("B")  # type: ignore[arg-type]

@@ -1,0 +1,486 @@
+"""The protocol of one rank, sans-IO: events in, commands out (as h11 does it for HTTP).
+
+A ``Session`` takes events (an operation posted, a frame received, a frame sent, a peer lost,
+a tick, a unit of work, closing) with the time passed in, changes its state, and appends
+commands (commands.py) to ``self.commands`` for the engine thread to carry out. It owns no
+socket, no thread and no clock, so every rule below can be tested in one process, with frames
+delivered in any order (testing/network.py).
+
+Matching is by key, never by order (matching.py). Every frame carries the operation's
+descriptor; a frame whose descriptor differs from the local one fails the operation here and,
+through a ``Failed`` message, on every other rank, naming both sides. An operation completes
+when its algorithm is done and every frame it sent has left.
+
+Failure is sticky. The first failure (a lost or silent peer, a mismatch, a timeout, abort)
+breaks the session: every pending operation fails with ``BrokenError`` chained to that cause,
+and so does every later post; peers are told (``Failed`` for an operation, else ``Abort``) and
+break at once instead of waiting out a timeout. A peer that said GOODBYE fails only what still
+needs it. Back-pressure is flow.py, heartbeats and deadlines liveness.py, the stall questions
+stall.py; the wire form of every control message is wire.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, ProtocolError, Send
+from ..cma import PeerMemoryError
+from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
+from ..flight import FlightRecorder, Record
+from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header, pack_header
+from .commands import (
+    BROKE,
+    CONTROL_PRIORITY,
+    DIVERT,
+    DROP,
+    FINISH,
+    RELEASE,
+    SEND,
+    WITHDRAW,
+    Command,
+)
+from .flow import Flow, KeptFrame
+from .liveness import Liveness
+from .matching import Matching
+from .operation import Operation, Settings, bytes_of
+from .stall import StallInspector
+from .wire import (
+    Abort,
+    Answer,
+    Ask,
+    Beat,
+    Control,
+    Failed,
+    Hold,
+    Key,
+    Posted,
+    decode,
+    describe,
+    encode,
+    mismatch_hint,
+    payload_bytes,
+)  # fmt: skip
+
+__all__ = ["Session", "broken_by"]
+
+log = logging.getLogger("asyncreduce.engine")
+log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
+
+
+class Session:
+    """One rank's protocol state (see the module docstring)."""
+
+    def __init__(
+        self, rank: int, world_size: int, settings: Settings, flight: FlightRecorder, now: float
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.flight = flight
+        self.commands: list[Command] = []  # for the engine to apply, in order, then clear
+        self.matching = Matching()
+        self.flow = Flow(settings.held_bytes)
+        self.liveness = Liveness(rank, world_size, settings.peer_timeout, now)
+        self.stall = StallInspector(rank, world_size, settings.stall_warning)
+        self.broken: BaseException | None = None
+        self.stopping = False  # saying goodbye: only GOODBYE frames matter now
+        self.working: set[Operation] = set()  # operations with work of their own to do
+        self.spin_until = 0.0  # the engine busy-polls until then (see Engine._poll)
+        self._landing: dict[int, tuple[Operation, Array]] = {}  # payloads landing in place
+        self._order = itertools.count()
+        self._now = now
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def refusal(self, label: str) -> BrokenError | None:
+        """Why a new post must fail at once, if it must (any thread may ask)."""
+        if self.broken is not None:
+            error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
+            error.__cause__ = self.broken
+            return error
+        gone = list(self.liveness.departed.values())  # one call: safe against the engine thread
+        return BrokenError(f"{label}: {gone[0]}") if gone else None
+
+    @property
+    def goodbye_reason(self) -> str:
+        return f"it was broken: {self.broken}" if self.broken is not None else ""
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def post(self, op: Operation, now: float) -> None:
+        """Start an operation posted on this rank."""
+        self._now = now
+        if self.broken is not None:
+            self._fail(op, broken_by(op, self.broken))
+            return
+        departed = self.liveness.departed
+        if departed:
+            self._fail(op, BrokenError(f"{op.label}: {next(iter(departed.values()))}"))
+            return
+        earlier = self.matching.failed.get(op.key)
+        if earlier is not None:
+            self._fail(op, _same_error(earlier, str(earlier)))
+            return
+        self.matching.ops[op.key] = op
+        op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
+        self._spin_after(op)
+        for peer in self.flow.told:
+            self._control(peer, Posted(op.key, op.desc))
+        op.age = next(self._order)
+        op.started = now
+        op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
+        if op.timeout is not None:
+            op.deadline = now + op.timeout
+            self.liveness.add_deadline(op)
+        if self._guarded(op, op.algo.start):
+            for peer, header, payload in self.matching.take_kept(op.key):
+                accepted = self._accept(op, peer, header, payload)
+                self.matching.spares.give(payload)
+                if not accepted:
+                    break
+        self._maybe_complete(op)
+
+    def buffer_for(self, peer: int, header: Header) -> memoryview | None:
+        """Where a DATA payload from ``peer`` should land (the algorithm's buffer, or a spare
+        one if its operation is not posted here); None for the transport's own buffer."""
+        if header.type != DATA:
+            return None
+        op = self.matching.ops.get(header.key)
+        if op is None:  # not posted here yet: it waits in a recycled buffer
+            return self.matching.spares.take(header.payload_len)
+        if not self._matches(op, peer, header):
+            return None
+        try:
+            target = op.algo.recv_buffer(peer, header.step, header.seg, header.payload_len)
+        except ProtocolError as exc:
+            self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
+            return None
+        self._landing[peer] = (op, target)
+        return bytes_of(target)
+
+    def on_view(self, peer: int, header: Header, view: memoryview, now: float) -> bool:
+        """Consume a payload where it lies (valid only during the call); False: not taken."""
+        self._now = now
+        self.liveness.heard[peer] = now
+        op = self.matching.ops.get(header.key)
+        if header.type != DATA or op is None:
+            return False
+        if not op.algo.takes_view(peer, header.step, header.seg):
+            return False
+        self._spin_after(op)
+        if self._matches(op, peer, header) and self._guarded(
+            op, lambda: op.algo.on_view(peer, header.step, header.seg, view)
+        ):
+            self._maybe_complete(op)
+        return True
+
+    def on_frame(self, peer: int, header: Header, payload: memoryview, now: float) -> None:
+        """A complete frame from ``peer`` (its payload where ``buffer_for`` said)."""
+        self._now = now
+        self.liveness.heard[peer] = now
+        if header.type == HEARTBEAT:
+            return
+        landed = self._landing.pop(peer, None)
+        if header.type == GOODBYE:
+            self._on_goodbye(peer, bytes(payload).decode(errors="replace"))
+            return
+        if self.stopping:
+            return
+        if header.type != DATA:
+            message = decode(header, payload)
+            if message is not None:
+                self._on_control(peer, message)
+            return
+        op = self.matching.ops.get(header.key)
+        if op is None:
+            self._unposted(peer, header, payload)
+            return
+        self._spin_after(op)
+        if landed is not None and landed[0] is op:
+            target = landed[1]
+            if self._guarded(op, lambda: op.algo.on_message(peer, header.step, header.seg, target)):
+                self._maybe_complete(op)
+        elif self._accept(op, peer, header, payload):
+            self.matching.spares.give(payload)
+            self._maybe_complete(op)
+
+    def sent(self, token: object, now: float) -> None:
+        """The frame sent with ``token`` has left this process."""
+        if isinstance(token, Operation):
+            self._now = now
+            token.unsent -= 1
+            self._maybe_complete(token)
+
+    def lost(self, peer: int, error: BaseException, closing: bool) -> None:
+        """The connection to ``peer`` is gone (not a failure while closing, or after goodbye)."""
+        if not closing and peer not in self.liveness.departed:
+            self.fail_all(
+                BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})")
+            )
+
+    def withdrawn(self, peer: int, frames: list[KeptFrame]) -> None:
+        """The answer to WITHDRAW: the frames taken back from ``peer``'s queue."""
+        self.flow.withdrawn(peer, frames)
+
+    def tick(self, now: float) -> None:
+        """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a
+        silent one, and ask about stalled operations."""
+        self._now = now
+        for op in self.liveness.expired(now):
+            if self.matching.live(op):
+                waiting = ranks_phrase(op.algo.pending_sources)
+                self._fail_everywhere(op, TimeoutError(
+                    f"{op.label} did not complete within its timeout of {op.timeout} s on "
+                    f"rank {self.rank} (still waiting for {waiting})"))  # fmt: skip
+        if not self.liveness.beat_due(now):
+            return
+        for peer in self.liveness.open_peers():
+            self._control(peer, Beat())
+        silent = self.liveness.silent(now)
+        for op in list(self.matching.ops.values()):
+            # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
+            stuck = silent if op.unsent else silent & op.algo.pending_sources
+            if stuck:
+                why = f"{ranks_phrase(stuck)} sent nothing for {self.settings.peer_timeout:g} s"
+                self._fail_everywhere(op, TimeoutError(
+                    f"{op.label} failed on rank {self.rank}: {why}, not even a heartbeat "
+                    "(stopped, or cut off?)"))  # fmt: skip
+        self._inspect_stalls(now)
+
+    def work(self, now: float) -> None:
+        """One unit of the most urgent operation's own work (the highest priority, then the
+        oldest): between units the engine reads what came in, so a small urgent operation is
+        not stuck behind a large one's reductions for longer than one segment."""
+        self._now = now
+        op = max(self.working, key=lambda o: (o.priority, -o.age))
+        if self._guarded(op, op.algo.work):
+            self._maybe_complete(op)
+        if not op.algo.has_work:
+            self.working.discard(op)
+
+    def close(self, abort_reason: str | None, late: list[Operation]) -> None:
+        """close() or abort() was called: fail what is pending (and ``late``, posted but not
+        started) with ClosedError; an abort breaks first, so peers are told."""
+        if abort_reason is not None:
+            self.fail_all(BrokenError(f"rank {self.rank} aborted: {abort_reason}"))
+        for op in list(self.matching.ops.values()) + late:
+            self._fail(
+                op, ClosedError(f"{op.label}: the communicator was closed while it was pending")
+            )
+
+    def fail_all(self, error: BaseException, about: tuple[Key, Descriptor] | None = None) -> None:
+        """The first failure breaks the session: fail everything pending (chained to
+        ``error``), refuse new posts, tell every peer (``Failed`` for the operation that
+        failed first, so it fails with the same class everywhere; else ``Abort``)."""
+        if self.broken is not None:
+            return
+        self.broken = error
+        for op in list(self.matching.ops.values()):
+            self._fail(op, broken_by(op, error))
+        self.flow.kept.clear()
+        message: Control = Abort(str(error))
+        if about is not None:
+            message = Failed(*about, type(error), str(error))  # type: ignore[arg-type]
+        for peer in self.liveness.open_peers():
+            self._control(peer, message)
+        self.flight.broken = f"{type(error).__name__}: {error}"
+        self.commands.append((BROKE, error))
+
+    # ---- control messages ----------------------------------------------------------------------
+
+    def _on_control(self, peer: int, message: Control) -> None:
+        if isinstance(message, Hold):
+            if self.flow.start_holding(peer):  # send it only what it has posted from now on
+                self.commands.append((WITHDRAW, peer))
+        elif isinstance(message, Posted):
+            for op, head, payload in self.flow.posted_there(peer, message.key, self.matching.live):
+                self.commands.append((SEND, peer, head, payload, op.priority, op, op.age))
+        elif isinstance(message, Ask):
+            answer = self.matching.answer(message.key)
+            self._control(peer, Answer(message.key, message.desc, answer))
+        elif isinstance(message, Answer):
+            self.stall.answered(message.key, peer, message.answer, self._now)
+        elif isinstance(message, Abort):
+            why = f"rank {peer} broke ({message.reason}), so this rank broke too"
+            self.fail_all(BrokenError(why))
+        elif isinstance(message, Failed):
+            error = message.error(f"{message.reason} (reported by rank {peer})")
+            failing = self.matching.ops.get(message.key)
+            if failing is not None:
+                self._fail(failing, error)
+            else:
+                self.matching.failed_with(message.key, error)
+            self.fail_all(error, (message.key, message.desc))  # passed on: all fail alike
+
+    def _on_goodbye(self, peer: int, reason: str) -> None:
+        """``peer`` closed in good order: fail what still needs it (``pending_sources``: a
+        frame to come, or its memory still to be read), on every rank (the others may need it
+        through us); refuse new posts. Its frames came before its goodbye, so an operation that
+        no longer waits on it can still complete."""
+        gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
+        self.liveness.departed[peer] = gone
+        for op in list(self.matching.ops.values()):
+            if peer in op.algo.pending_sources:
+                self._fail_everywhere(
+                    op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
+                )
+        self.commands.append((RELEASE, peer))
+
+    def _control(self, peer: int, message: Control) -> None:
+        head, payload = encode(message)
+        self.commands.append((SEND, peer, head, memoryview(payload), CONTROL_PRIORITY, None, 0))
+
+    def _inspect_stalls(self, now: float) -> None:
+        self.stall.overdue(now)
+        for op in list(self.matching.ops.values()):
+            if self.stall.due(op.key, op.started, now):
+                self.stall.asked(op.key, op.label, op.started, now)
+                for peer in range(self.world_size):
+                    if peer != self.rank:
+                        self._control(peer, Ask(op.key, op.desc))
+
+    # ---- operations ----------------------------------------------------------------------------
+
+    def _unposted(self, peer: int, header: Header, payload: memoryview) -> None:
+        """A DATA frame for an operation not posted here: late (it completed here), dropped
+        (it failed here), or kept for when it is posted (back-pressure past the cap)."""
+        matching = self.matching
+        if header.key in matching.done:
+            self._late_frame(peer, header)
+        elif header.key not in matching.failed and self.broken is None:
+            matching.keep(peer, header, payload)
+            if self.flow.over_cap(peer, matching.unexpected_bytes):
+                self._control(peer, Hold())
+                for op in matching.ops.values():
+                    self._control(peer, Posted(op.key, op.desc))
+
+    def _late_frame(self, peer: int, header: Header) -> None:
+        """A frame for an operation completed here: ranks disagreed in a way the operation could
+        not see (a broadcast's root). Drop it and say so; nothing can fail retroactively."""
+        desc = self.matching.done[header.key]
+        if header.desc != desc:
+            log.error(
+                "rank %d completed %r#%d as %s but rank %d posted %s; its data was ignored",
+                self.rank, header.name.decode(errors="replace"), header.key[1],
+                describe(desc), peer, describe(header.desc),
+            )  # fmt: skip
+
+    def _accept(self, op: Operation, peer: int, header: Header, payload: memoryview) -> bool:
+        """Deliver a frame that was received before ``op`` was posted: the algorithm reads it
+        from the held buffer (a reduction reads it in place; anything else copies it once)."""
+        if not self._matches(op, peer, header):
+            return False
+        return self._guarded(op, lambda: op.algo.on_view(peer, header.step, header.seg, payload))
+
+    def _matches(self, op: Operation, peer: int, header: Header) -> bool:
+        if header.desc == op.desc:
+            return True
+        self._fail_everywhere(op, MismatchError(
+            f"{op.label}: rank {self.rank} posted {describe(op.desc)} but rank {peer} posted "
+            f"{describe(header.desc)}{mismatch_hint(op.desc, header.desc)}"))  # fmt: skip
+        return False
+
+    def _guarded(self, op: Operation, step: Callable[[], list[Send]]) -> bool:
+        """Run one algorithm step and send what it returns; a failure fails the operation.
+        Each send counts in ``unsent`` before any is applied, so an operation cannot complete
+        while frames of the step are still to be handed over."""
+        try:
+            sends = step()
+        except ProtocolError as exc:
+            self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
+            return False
+        except PeerMemoryError as exc:  # cma.py: the peer died, or announced bad memory
+            self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc}"))
+            return False
+        except Exception as exc:
+            log.exception("%s failed in its algorithm", op.label)
+            self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
+            return False
+        for s in sends:
+            self._send(op, s)
+        live = self.matching.live(op)
+        if live and op.algo.has_work:
+            self.working.add(op)
+        return live
+
+    def _send(self, op: Operation, s: Send) -> None:
+        if s.dst in self.liveness.departed:
+            return  # it closed in good order, so it needs nothing more from us
+        payload = bytes_of(s.payload)
+        head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
+        op.unsent += 1
+        if not self.flow.may_send(s.dst, op.key):
+            self.flow.keep_back(s.dst, (op, head, payload))  # until it is posted there
+            return
+        self.commands.append((SEND, s.dst, head, payload, op.priority, op, op.age))
+
+    def _maybe_complete(self, op: Operation) -> None:
+        if op.unsent or not op.algo.done or not self.matching.live(op):
+            return
+        self.matching.completed(op)
+        self.liveness.prune(len(self.matching.ops), self.matching.live)
+        self._ended(op)
+        try:
+            value = op.result()
+        except Exception as exc:
+            self._finish(op, None, exc)
+            return
+        self._finish(op, value, None)
+
+    def _fail(self, op: Operation, error: BaseException) -> None:
+        """Fail ``op`` at once; from here on nothing reads or writes the caller's buffer."""
+        if self.matching.live(op):
+            del self.matching.ops[op.key]
+            self.matching.failed_with(op.key, error)
+            self._ended(op)
+            self.commands.append((DROP, op))
+            for peer, (landing, _) in list(self._landing.items()):
+                if landing is op:
+                    self.commands.append((DIVERT, peer))
+                    del self._landing[peer]
+        if not op.ended:
+            self._finish(op, None, error)
+
+    def _fail_everywhere(self, op: Operation, error: BaseException) -> None:
+        """Fail ``op`` here, tell every other rank to fail it the same way; break."""
+        if self.matching.live(op):
+            self._fail(op, error)
+            self.fail_all(error, (op.key, op.desc))
+
+    def _finish(self, op: Operation, value: Any, error: BaseException | None) -> None:
+        op.ended = True
+        if op.record is not None:
+            self.flight.finish(op.record, error)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d ends %s: %s", self.rank, op.label, error or "done")
+        self.commands.append((FINISH, op, value, error))
+
+    def _ended(self, op: Operation) -> None:
+        """Forget what the stall inspector and flow control kept about ``op``."""
+        self._spin_after(op)
+        self.working.discard(op)
+        self.stall.forget(op.key)
+        self.flow.ended(op.key)
+
+    def _spin_after(self, op: Operation) -> None:
+        """A small operation started, heard from a peer or ended: the engine busy-polls a while."""
+        if op.small:
+            self.spin_until = self._now + self.settings.spin
+
+
+def broken_by(op: Any, cause: BaseException) -> BrokenError:
+    """The error of an operation (anything with a ``label``) that fails because the
+    communicator broke: ``cause`` chained. The ordered engine's failures are worded alike."""
+    error = BrokenError(f"{op.label} failed: the communicator is broken: {cause}")
+    error.__cause__ = cause
+    return error
+
+
+def _same_error(error: BaseException, message: str) -> BaseException:
+    """A new exception of the same class as ``error`` with ``message``, chained to it."""
+    new = type(error)(message)
+    new.__cause__ = error
+    return new

@@ -31,40 +31,18 @@ from ..cma import PeerMemoryError
 from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
 from ..flight import FlightRecorder, Record
 from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header, pack_header
-from .commands import (
-    BROKE,
-    CONTROL_PRIORITY,
-    DIVERT,
-    DROP,
-    FINISH,
-    RELEASE,
-    SEND,
-    WITHDRAW,
-    Command,
-)
+from . import commands as do
+from . import wire
+from .commands import CONTROL_PRIORITY, Command
+from .failure import broken_by, same_error
 from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
 from .operation import Operation, Settings, bytes_of
 from .stall import StallInspector
-from .wire import (
-    Abort,
-    Answer,
-    Ask,
-    Beat,
-    Control,
-    Failed,
-    Hold,
-    Key,
-    Posted,
-    decode,
-    describe,
-    encode,
-    mismatch_hint,
-    payload_bytes,
-)  # fmt: skip
+from .wire import Control, Key, describe, mismatch_hint, payload_bytes
 
-__all__ = ["Session", "broken_by"]
+__all__ = ["Session", "broken_by"]  # broken_by: failure.py, named here for the engines
 
 log = logging.getLogger("asyncreduce.engine")
 log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
@@ -122,13 +100,13 @@ class Session:
             return
         earlier = self.matching.failed.get(op.key)
         if earlier is not None:
-            self._fail(op, _same_error(earlier, str(earlier)))
+            self._fail(op, same_error(earlier, str(earlier)))
             return
         self.matching.ops[op.key] = op
         op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
         self._spin_after(op)
         for peer in self.flow.told:
-            self._control(peer, Posted(op.key, op.desc))
+            self._control(peer, wire.Posted(op.key, op.desc))
         op.age = next(self._order)
         op.started = now
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
@@ -190,7 +168,7 @@ class Session:
         if self.stopping:
             return
         if header.type != DATA:
-            message = decode(header, payload)
+            message = wire.decode(header, payload)
             if message is not None:
                 self._on_control(peer, message)
             return
@@ -238,7 +216,7 @@ class Session:
         if not self.liveness.beat_due(now):
             return
         for peer in self.liveness.open_peers():
-            self._control(peer, Beat())
+            self._control(peer, wire.Beat())
         silent = self.liveness.silent(now)
         for op in list(self.matching.ops.values()):
             # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
@@ -281,32 +259,32 @@ class Session:
         for op in list(self.matching.ops.values()):
             self._fail(op, broken_by(op, error))
         self.flow.kept.clear()
-        message: Control = Abort(str(error))
+        message: Control = wire.Abort(str(error))
         if about is not None:
-            message = Failed(*about, type(error), str(error))  # type: ignore[arg-type]
+            message = wire.Failed(*about, type(error), str(error))  # type: ignore[arg-type]
         for peer in self.liveness.open_peers():
             self._control(peer, message)
         self.flight.broken = f"{type(error).__name__}: {error}"
-        self.commands.append((BROKE, error))
+        self.commands.append((do.BROKE, error))
 
     # ---- control messages ----------------------------------------------------------------------
 
     def _on_control(self, peer: int, message: Control) -> None:
-        if isinstance(message, Hold):
+        if isinstance(message, wire.Hold):
             if self.flow.start_holding(peer):  # send it only what it has posted from now on
-                self.commands.append((WITHDRAW, peer))
-        elif isinstance(message, Posted):
+                self.commands.append((do.WITHDRAW, peer))
+        elif isinstance(message, wire.Posted):
             for op, head, payload in self.flow.posted_there(peer, message.key, self.matching.live):
-                self.commands.append((SEND, peer, head, payload, op.priority, op, op.age))
-        elif isinstance(message, Ask):
+                self.commands.append((do.SEND, peer, head, payload, op.priority, op, op.age))
+        elif isinstance(message, wire.Ask):
             answer = self.matching.answer(message.key)
-            self._control(peer, Answer(message.key, message.desc, answer))
-        elif isinstance(message, Answer):
+            self._control(peer, wire.Answer(message.key, message.desc, answer))
+        elif isinstance(message, wire.Answer):
             self.stall.answered(message.key, peer, message.answer, self._now)
-        elif isinstance(message, Abort):
+        elif isinstance(message, wire.Abort):
             why = f"rank {peer} broke ({message.reason}), so this rank broke too"
             self.fail_all(BrokenError(why))
-        elif isinstance(message, Failed):
+        elif isinstance(message, wire.Failed):
             error = message.error(f"{message.reason} (reported by rank {peer})")
             failing = self.matching.ops.get(message.key)
             if failing is not None:
@@ -327,11 +305,11 @@ class Session:
                 self._fail_everywhere(
                     op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
                 )
-        self.commands.append((RELEASE, peer))
+        self.commands.append((do.RELEASE, peer))
 
     def _control(self, peer: int, message: Control) -> None:
-        head, payload = encode(message)
-        self.commands.append((SEND, peer, head, memoryview(payload), CONTROL_PRIORITY, None, 0))
+        head, payload = wire.encode(message)
+        self.commands.append((do.SEND, peer, head, memoryview(payload), CONTROL_PRIORITY, None, 0))
 
     def _inspect_stalls(self, now: float) -> None:
         self.stall.overdue(now)
@@ -340,7 +318,7 @@ class Session:
                 self.stall.asked(op.key, op.label, op.started, now)
                 for peer in range(self.world_size):
                     if peer != self.rank:
-                        self._control(peer, Ask(op.key, op.desc))
+                        self._control(peer, wire.Ask(op.key, op.desc))
 
     # ---- operations ----------------------------------------------------------------------------
 
@@ -353,9 +331,9 @@ class Session:
         elif header.key not in matching.failed and self.broken is None:
             matching.keep(peer, header, payload)
             if self.flow.over_cap(peer, matching.unexpected_bytes):
-                self._control(peer, Hold())
+                self._control(peer, wire.Hold())
                 for op in matching.ops.values():
-                    self._control(peer, Posted(op.key, op.desc))
+                    self._control(peer, wire.Posted(op.key, op.desc))
 
     def _late_frame(self, peer: int, header: Header) -> None:
         """A frame for an operation completed here: ranks disagreed in a way the operation could
@@ -415,7 +393,7 @@ class Session:
         if not self.flow.may_send(s.dst, op.key):
             self.flow.keep_back(s.dst, (op, head, payload))  # until it is posted there
             return
-        self.commands.append((SEND, s.dst, head, payload, op.priority, op, op.age))
+        self.commands.append((do.SEND, s.dst, head, payload, op.priority, op, op.age))
 
     def _maybe_complete(self, op: Operation) -> None:
         if op.unsent or not op.algo.done or not self.matching.live(op):
@@ -436,10 +414,10 @@ class Session:
             del self.matching.ops[op.key]
             self.matching.failed_with(op.key, error)
             self._ended(op)
-            self.commands.append((DROP, op))
+            self.commands.append((do.DROP, op))
             for peer, (landing, _) in list(self._landing.items()):
                 if landing is op:
-                    self.commands.append((DIVERT, peer))
+                    self.commands.append((do.DIVERT, peer))
                     del self._landing[peer]
         if not op.ended:
             self._finish(op, None, error)
@@ -456,7 +434,7 @@ class Session:
             self.flight.finish(op.record, error)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d ends %s: %s", self.rank, op.label, error or "done")
-        self.commands.append((FINISH, op, value, error))
+        self.commands.append((do.FINISH, op, value, error))
 
     def _ended(self, op: Operation) -> None:
         """Forget what the stall inspector and flow control kept about ``op``."""
@@ -469,18 +447,3 @@ class Session:
         """A small operation started, heard from a peer or ended: the engine busy-polls a while."""
         if op.small:
             self.spin_until = self._now + self.settings.spin
-
-
-def broken_by(op: Any, cause: BaseException) -> BrokenError:
-    """The error of an operation (anything with a ``label``) that fails because the
-    communicator broke: ``cause`` chained. The ordered engine's failures are worded alike."""
-    error = BrokenError(f"{op.label} failed: the communicator is broken: {cause}")
-    error.__cause__ = cause
-    return error
-
-
-def _same_error(error: BaseException, message: str) -> BaseException:
-    """A new exception of the same class as ``error`` with ``message``, chained to it."""
-    new = type(error)(message)
-    new.__cause__ = error
-    return new

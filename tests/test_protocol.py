@@ -1,0 +1,305 @@
+"""The protocol (protocol/session.py) in one process: every rank a Session, joined by the fake
+wire of wire.py, with posting orders, link interleavings, split receives and the clock drawn by
+hypothesis over 2-9 ranks. What the multi-process tests (test_comm, test_faults) check end to
+end is checked here rule by rule, in milliseconds:
+
+- named operations posted in any order on each rank complete with the right values;
+- a mismatch fails the operation with MismatchError on every rank;
+- an operation's failure (its timeout) reaches every rank with the same class;
+- goodbye is not loss: a rank that closed in good order fails only what still needs it;
+- abort and a lost connection break every rank;
+- a silent rank (heartbeats lost) is named by every rank that waits on it;
+- back-pressure: past the hold cap the sender holds back, and everything still completes;
+- the stall inspector names the ranks that never posted;
+- a frame for an operation that completed here is dropped and said so;
+- duplicated control frames change nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import asyncreduce as ar
+from asyncreduce.protocol import Settings
+from wire import Wire
+
+RANKS = st.integers(2, 9)
+SEEDS = st.integers(0, 2**32 - 1)
+fast = settings(max_examples=40, deadline=None)
+
+
+def values(rank: int, count: int, salt: int = 0) -> np.ndarray:
+    return (np.arange(count, dtype=np.float64) * (rank + 1) + salt).astype(np.float32)
+
+
+def expected(n: int, count: int, salt: int = 0) -> np.ndarray:
+    return sum(values(r, count, salt).astype(np.float64) for r in range(n)).astype(np.float32)
+
+
+def outcome(request: ar.Request) -> BaseException | None:  # type: ignore[type-arg]
+    assert request.done(), f"{request.label} never ended"
+    return request.exception()
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data())
+def test_named_operations_in_any_order_complete_with_the_right_values(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    counts = {"a": 3, "b": 1000, "c": 20000, "d": 17}  # doubling and ring; 20000 floats: segments
+    wire = Wire(n, seed)
+    posted = []
+    for rank in range(n):
+        for name in data.draw(st.permutations(sorted(counts))):
+            posted.append((rank, name))
+    order = data.draw(st.permutations(posted))
+    buffers = {}
+    for rank, name in order:
+        buffers[rank, name] = values(rank, counts[name], ord(name))
+        wire.post(rank, "allreduce", name, buffers[rank, name])
+        for _ in range(data.draw(st.integers(0, 30))):
+            wire.step()
+    wire.run()
+    for (rank, name), buf in buffers.items():
+        request = wire.ranks[rank].requests[name]
+        assert outcome(request) is None, request.exception()
+        np.testing.assert_allclose(buf, expected(n, counts[name], ord(name)), rtol=1e-5)
+    assert all(not r.session.matching.ops and not r.session.matching.unexpected for r in wire.ranks)
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data())
+def test_a_mismatch_fails_the_operation_on_every_rank(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    culprit = data.draw(st.integers(0, n - 1))
+    wire = Wire(n, seed)
+    for rank in data.draw(st.permutations(range(n))):
+        count = 9 if rank == culprit else 8
+        wire.post(rank, "allreduce", "x", np.ones(count, np.float32))
+    wire.post(0, "allreduce", "later", np.ones(4, np.float32))
+    wire.run()
+    for rank, state in enumerate(wire.ranks):
+        error = outcome(state.requests["x"])
+        assert isinstance(error, ar.MismatchError), (rank, error)
+        assert "float32[8]" in str(error) and "float32[9]" in str(error), str(error)
+        assert state.session.broken is not None
+    assert isinstance(outcome(wire.ranks[0].requests["later"]), ar.BrokenError)
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data())
+def test_a_timeout_fails_the_operation_with_the_same_class_everywhere(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    late = data.draw(st.integers(0, n - 1))
+    wire = Wire(n, seed)
+    for rank in range(n):
+        wire.post(rank, "allreduce", "other", np.ones(4, np.float32))
+        if rank != late:
+            wire.post(rank, "allreduce", "x", np.ones(4, np.float32), timeout=1.0)
+    wire.run()
+    wire.tick(1.5)  # every rank that posted "x" has passed its deadline
+    wire.run()
+    for rank, state in enumerate(wire.ranks):
+        assert outcome(state.requests["other"]) is None
+        assert isinstance(state.session.broken, TimeoutError), (rank, state.session.broken)
+        if rank != late:
+            error = outcome(state.requests["x"])
+            assert isinstance(error, TimeoutError) and "timeout of 1.0 s" in str(error), error
+            assert "still waiting for rank" in str(error), str(error)
+    # the late rank now posts it: it fails at once, with the class the others reported
+    wire.post(late, "allreduce", "x", np.ones(4, np.float32))
+    assert isinstance(outcome(wire.ranks[late].requests["x"]), (TimeoutError, ar.BrokenError))
+
+
+@fast
+@given(n=st.integers(3, 9), seed=SEEDS, data=st.data())
+def test_goodbye_fails_only_what_still_needs_the_closed_rank(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    closer = data.draw(st.integers(0, n - 1))
+    wire = Wire(n, seed)
+    for rank in range(n):
+        wire.post(rank, "allreduce", "done-before", np.ones(4, np.float32))
+    wire.run()
+    for rank in range(n):
+        if rank != closer:
+            wire.post(rank, "allreduce", "needs-it", np.ones(4, np.float32))
+    wire.goodbye(closer, "finished")
+    wire.run()
+    for rank, state in enumerate(wire.ranks):
+        assert outcome(state.requests["done-before"]) is None
+        if rank == closer:
+            continue
+        error = outcome(state.requests["needs-it"])
+        assert isinstance(error, ar.BrokenError), error
+        refusal = state.session.refusal("next")
+        assert refusal is not None and f"rank {closer} has closed" in str(refusal), refusal
+    # goodbye is not loss: no rank took the closing rank's connection ending as a failure
+    survivor = (closer + 1) % n
+    wire.ranks[survivor].session.lost(closer, ConnectionResetError("EOF"), closing=False)
+    assert "lost its connection" not in str(wire.ranks[survivor].session.broken)
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data(), abort=st.booleans())
+def test_abort_and_a_lost_connection_break_every_rank(
+    n: int, seed: int, data: st.DataObject, abort: bool
+) -> None:
+    first = data.draw(st.integers(0, n - 1))
+    wire = Wire(n, seed)
+    for rank in range(n):
+        if rank != first:
+            wire.post(rank, "allreduce", "pending", np.ones(4, np.float32))
+    if abort:
+        wire.ranks[first].session.close("the user asked", [])
+        wanted = f"rank {first} aborted: the user asked"
+    else:
+        other = (first + 1) % n
+        wire.ranks[first].session.lost(other, ConnectionResetError("reset"), closing=False)
+        wanted = f"rank {first} lost its connection to rank {other}"
+    wire.apply(first)
+    wire.run()
+    for rank, state in enumerate(wire.ranks):
+        assert isinstance(state.session.broken, ar.BrokenError), (rank, state.session.broken)
+        assert wanted in str(state.session.broken), (rank, str(state.session.broken))
+        if rank != first:
+            assert isinstance(outcome(state.requests["pending"]), ar.BrokenError)
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data())
+def test_a_silent_rank_is_named_by_every_rank_that_waits_on_it(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    silent = data.draw(st.integers(0, n - 1))
+    timeout = 2.0
+    wire = Wire(n, seed, Settings(peer_timeout=timeout, spin=0.0))
+    wire.drop_beats.add(silent)
+    for rank in range(n):
+        if rank != silent:
+            wire.post(rank, "allreduce", "x", np.ones(4, np.float32))
+    wire.run()
+    for _ in range(5):  # beats every 0.05 s; silence is judged past timeout + a beat
+        wire.tick(timeout / 2)
+        wire.run()
+    for rank, state in enumerate(wire.ranks):
+        if rank == silent:
+            continue
+        error = outcome(state.requests["x"])
+        assert isinstance(error, TimeoutError), (rank, error)
+        assert f"rank {silent} sent nothing for {timeout:g} s" in str(error) or (
+            "reported by rank" in str(error) and f"rank {silent} sent nothing" in str(error)
+        ), str(error)
+
+
+@fast
+@given(n=st.integers(2, 5), seed=SEEDS, data=st.data())
+def test_past_the_hold_cap_the_sender_holds_back_and_all_completes(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    names = [f"op{i}" for i in range(6)]
+    count, cap = 20000, 4096  # the ring: every rank sends to the next one at once
+    wire = Wire(n, seed, Settings(held_bytes=cap, spin=0.0))
+    slow = data.draw(st.integers(0, n - 1))
+    buffers = {}
+    for rank in range(n):
+        if rank != slow:
+            for name in names:
+                buffers[rank, name] = values(rank, count, len(name))
+                wire.post(rank, "allreduce", name, buffers[rank, name])
+    wire.run()  # what others sent for operations the slow rank has not posted is held
+    flow = wire.ranks[slow].session.flow
+    assert flow.told, "the slow rank held frames past the cap and told nobody to hold"
+    left = sum(b for (src, dst), b in wire.left_before_hold.items() if dst == slow)
+    assert flow.peak <= left, (flow.peak, left)  # nothing held that left after the Hold arrived
+    assert any(wire.ranks[r].session.flow.kept for r in range(n) if r != slow)
+    for name in names[::-1]:  # the slow rank posts in the other order
+        buffers[slow, name] = values(slow, count, len(name))
+        wire.post(slow, "allreduce", name, buffers[slow, name])
+        for _ in range(data.draw(st.integers(0, 20))):
+            wire.step()
+    wire.run()
+    for (rank, name), buf in buffers.items():
+        assert outcome(wire.ranks[rank].requests[name]) is None
+        np.testing.assert_allclose(buf, expected(n, count, len(name)), rtol=1e-5)
+
+
+@fast
+@given(n=st.integers(3, 9), seed=SEEDS, data=st.data())
+def test_the_stall_inspector_names_the_ranks_that_never_posted(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    absent = set(data.draw(st.lists(st.integers(1, n - 1), min_size=1, unique=True)))
+    wire = Wire(n, seed, Settings(stall_warning=10.0, peer_timeout=1e6, spin=0.0))
+    for rank in range(n):
+        if rank not in absent:
+            wire.post(rank, "allreduce", "stuck", np.ones(4, np.float32))
+    wire.run()
+    wire.tick(11.0)
+    wire.run()
+    reports = list(wire.ranks[0].session.stall.reports)
+    assert len(reports) == 1, reports
+    never = ar.errors.ranks_phrase(sorted(absent))
+    assert f"never posted by {never}" in reports[0], reports[0]
+    assert "no answer" not in reports[0], reports[0]
+
+
+def test_a_frame_for_an_operation_completed_here_is_dropped_and_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wire = Wire(2, 7)
+    wire.post(0, "broadcast", "b", np.arange(5, dtype=np.float32), root=0)
+    wire.post(1, "broadcast", "b", np.zeros(5, np.float32), root=0)
+    wire.run()
+    assert all(outcome(s.requests["b"]) is None for s in wire.ranks)
+    # rank 1 thinks it is a root: its frame for the completed "b" reaches rank 0 late
+    wire.ranks[1].session.matching.done.clear()
+    with caplog.at_level(logging.ERROR, logger="asyncreduce.engine"):
+        wire.post(1, "broadcast", "b", np.ones(5, np.float32), root=1)
+        wire.run()
+    assert "rank 0 completed 'b'#0 as broadcast float32[5] root=0" in caplog.text, caplog.text
+    assert not wire.ranks[0].session.matching.unexpected
+    assert wire.ranks[0].session.broken is None
+
+
+@fast
+@given(n=RANKS, seed=SEEDS)
+def test_duplicated_control_frames_change_nothing(n: int, seed: int) -> None:
+    wire = Wire(n, seed, Settings(held_bytes=0, stall_warning=1.0, spin=0.0))
+    wire.duplicate_control = True
+    for rank in range(n):
+        for name in ("p", "q") if rank % 2 else ("q", "p"):
+            wire.post(rank, "allreduce", name, values(rank, 64))
+    wire.run()
+    for state in wire.ranks:
+        assert all(outcome(r) is None for r in state.requests.values())
+        assert state.session.broken is None
+
+
+SANS_IO = ("algorithms", "protocol")
+
+
+@pytest.mark.parametrize("package", SANS_IO)
+def test_the_sans_io_packages_import_no_socket_thread_or_clock(package: str) -> None:
+    root = pathlib.Path(ar.__file__).parent / package
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("socket", "threading", "time", "selectors", "asyncio"), (
+                    f"{path.name} imports {name}"
+                )

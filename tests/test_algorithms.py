@@ -11,8 +11,8 @@ Expected results are computed independently with numpy from the original inputs.
 small integers, so every order of combining gives the same exact value and a result can be
 compared for equality; every rank must also end bitwise identical to every other.
 
-Tests named ``test_bug_*`` pin down real bugs found while writing this file; they fail until
-the algorithm is fixed (see the comment on each).
+The regression tests near the end pin down bugs found while writing this file, all fixed now:
+each is named after what the spec says, and its docstring says what used to go wrong.
 """
 
 from __future__ import annotations
@@ -724,11 +724,6 @@ def test_barrier_waits_for_every_rank(n: int, data: st.DataObject, seed: int) ->
 # Protocol errors
 
 
-def _rd_sits_out(rank: int, n: int) -> bool:
-    p = 1 << (n.bit_length() - 1)
-    return rank < 2 * (n - p) and rank % 2 == 0
-
-
 def _machines(kind: str, n: int, count: int, seed: int) -> list[Collective]:
     dtype = DTYPES["float32"]
     bufs = [np.arange(count, dtype=np.float32) + r for r in range(n)]
@@ -757,19 +752,13 @@ def test_malformed_messages_are_refused(kind: str, n: int, count: int, seed: int
     """Before each delivery: wrong size, source, step or segment raise ProtocolError; after
     it: the same message again (a duplicate) does; once done, any message does."""
     machines = _machines(kind, n, count, seed)
-
-    def dup_probe_ok(f: Flight) -> bool:
-        # Known bug, see test_bug_doubling_accepts_duplicate_at_sitting_out_rank.
-        return not (kind == "doubling" and _rd_sits_out(f.dst, n))
-
-    net = Network(machines, seed, probe=True, dup_probe_ok=dup_probe_ok)
+    net = Network(machines, seed, probe=True)  # every rank, the doubling's sitting-out ones too
     if kind == "broadcast":
         net.must_start = lambda rank: {seed % n}
     net.run()
     for f in net.log:
-        if dup_probe_ok(f):
-            with pytest.raises(ProtocolError):
-                machines[f.dst].recv_buffer(f.src, f.step, f.seg, len(f.sent))
+        with pytest.raises(ProtocolError):
+            machines[f.dst].recv_buffer(f.src, f.step, f.seg, len(f.sent))
 
 
 def _first_message(machines: list[Collective]) -> tuple[int, Send]:
@@ -996,16 +985,16 @@ def test_finalize_avg_divides_once(dtype_name: str, n: int, seed: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Known bugs: these fail until the algorithm is fixed.
+# Regressions: bugs found while writing this file, fixed since (each docstring says what the
+# bug was; the names say what the spec requires).
 
 
-def test_doubling_accepts_duplicate_at_sitting_out_rank() -> None:
-    """BUG (doubling.py, RecursiveDoubling.recv_buffer): when n is not a power of two, an even
-    rank r < 2*extra sits out and later receives the result (last step) from r+1. A second copy
-    of that message is not refused: ``fresh`` only checks ``self._early`` and ``self._step``,
-    which a sitting-out rank never updates. recv_buffer hands out the user's finished buffer
-    (so the duplicate overwrites the result) and on_message then pushes ``_received`` past
-    ``_expected``, so ``done`` turns False again. Expected: ProtocolError."""
+def test_doubling_refuses_a_duplicate_at_a_rank_that_sits_out() -> None:
+    """When n is not a power of two, an even rank r < 2*extra sits out and later receives the
+    result (last step) from r+1; a second copy of that message is a ProtocolError. The bug
+    (fixed in doubling.py, ``recv_buffer``'s ``fresh`` now checks ``done``): ``fresh`` only
+    checked ``self._early`` and ``self._step``, which a sitting-out rank never updates, so the
+    duplicate overwrote the finished result and turned ``done`` False again."""
     n, dtype = 3, DTYPES["float32"]
     bufs = [np.arange(4, dtype=np.float32) * (r + 1) for r in range(n)]
     machines = [RecursiveDoubling(r, n, bufs[r], dtype, "sum") for r in range(n)]
@@ -1026,15 +1015,15 @@ def test_doubling_accepts_duplicate_at_sitting_out_rank() -> None:
         ("sum", "float32", float("nan"), float("nan")),  # payloads set below
     ],
 )
-def test_doubling_ranks_differ_bitwise(op: str, dtype_name: str, a: float, b: float) -> None:
-    """BUG (reduction.py / doubling.py): reduction.py claims every reduction is commutative
-    bitwise, and recursive doubling relies on it (both partners compute own (op) other). It is
-    not: np.maximum/np.minimum return one operand or the other for +0 vs -0 depending on the
-    order, and x86 propagates the first operand's NaN payload in a sum. With two ranks holding
-    [-0.0] and [+0.0], allreduce max leaves -0.0 on one rank and +0.0 on the other (also for
-    min, float16/float64 and bfloat16; NaN payloads differ likewise for sum). The ring does not
-    have the problem (each final chunk is computed once and copied). Expected: every rank
-    bitwise identical."""
+def test_doubling_leaves_every_rank_bitwise_equal(
+    op: str, dtype_name: str, a: float, b: float
+) -> None:
+    """Every rank ends bitwise identical, even where a reduction is commutative in value only:
+    np.maximum/np.minimum return one operand or the other for +0 vs -0 depending on the order,
+    and x86 propagates the first operand's NaN payload in a sum. The bug (fixed: both partners
+    now combine the lower rank's operand first, doubling.py and reduction.py's ``combine``):
+    each partner computed own (op) other, so with two ranks holding [-0.0] and [+0.0] max left
+    -0.0 on one and +0.0 on the other (also min, float16/float64, bfloat16, NaN payloads)."""
     dtype = DTYPES[dtype_name]
     if dtype_name == "bfloat16":
         bufs = [np.array([0x8000] * 3, np.uint16), np.array([0x0000] * 3, np.uint16)]
@@ -1050,12 +1039,11 @@ def test_doubling_ranks_differ_bitwise(op: str, dtype_name: str, a: float, b: fl
     assert bufs[0].tobytes() == bufs[1].tobytes(), [buf.tobytes().hex() for buf in bufs]
 
 
-def test_int64_avg_is_inexact_above_2_to_53() -> None:
-    """BUG (reduction.py, finalize): integer ``avg`` divides with np.divide, i.e. in float64,
-    so int64 sums above 2**53 lose their low bits. Two ranks holding 2**61 + 1 sum to
-    2**62 + 2, whose average must be 2**61 + 1 = 2305843009213693953; finalize returns
-    2**61 = 2305843009213693952. (The rounding of a non-integral integer average is not
-    written down anywhere; small values truncate toward zero. This input divides exactly.)"""
+def test_int64_avg_is_exact_above_2_to_53() -> None:
+    """Integer ``avg`` is exact (rounding toward zero, as ``finalize`` says): two ranks holding
+    2**61 + 1 sum to 2**62 + 2, whose average is 2**61 + 1 = 2305843009213693953. The bug
+    (fixed in reduction.py's ``finalize``, which now divides integers as integers): it divided
+    with np.divide, in float64, so sums above 2**53 lost their low bits (2**61 came back)."""
     n, dtype = 2, DTYPES["int64"]
     bufs = [np.array([2**61 + 1, 2**62 - 1], np.int64) for _ in range(n)]
     bufs[1][1] = 2**62 - 3  # sum 2**63 - 4 still fits; average 2**62 - 2

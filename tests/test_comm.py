@@ -7,10 +7,13 @@ import concurrent.futures
 import hashlib
 import os
 import random
+import re
 import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,7 +51,6 @@ def body_collectives(comm: ar.Communicator) -> dict[str, bytes]:
             digests[f"{np.dtype(dtype).name}-{count}"] = hashlib.sha256(x.tobytes()).digest()
     for op, fold in (("max", np.maximum), ("min", np.minimum), ("prod", np.multiply)):
         x = np.array([r + 1.0, -(r + 1.0), 2.0, float(n - r)], dtype=np.float64)
-        expect = x.copy()
         others = [np.array([q + 1.0, -(q + 1.0), 2.0, float(n - q)]) for q in range(n)]
         expect = others[0]
         for o in others[1:]:
@@ -296,8 +298,6 @@ def body_mismatch(comm: ar.Communicator, field: str) -> str:
         count = 1200
     if r == 1 and field == "dtype":
         dtype = np.float64
-    if r == 0 and field == "op":
-        pass
     op = "max" if (field == "op" and r == 2) else "sum"
     start = time.monotonic()
     # a rank that posts after the others found the mismatch is already broken by it
@@ -366,7 +366,7 @@ def test_init_names_the_rank_that_never_joined() -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         messages = list(pool.map(_init_alone, [0, 1], [port, port]))
     for message in messages:
-        assert "2" in message and "never" in message, message
+        assert "rank 2 never joined (world_size=3)" in message, message
 
 
 # ---- close() with requests pending --------------------------------------------------------------
@@ -424,112 +424,150 @@ def test_per_call_timeout_fails_the_operation_on_every_rank() -> None:
 # ---- requests are futures -----------------------------------------------------------------------
 
 
-def body_request_api(comm: ar.Communicator) -> None:
+def _outcome(call: Callable[..., object], *args: object) -> str:
+    """What ``call(*args)`` did, for the test to see: "returned", or "<error type>: <message>"."""
+    try:
+        call(*args)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def body_request_api(comm: ar.Communicator) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     if comm.rank == 1:
         time.sleep(0.3)
     x = np.ones(10, np.float32)
     req = comm.iallreduce(x, name="late")
-    if comm.rank == 0:
-        assert not req.test()
-        with pytest.raises(TimeoutError, match="goes on"):
-            req.wait(timeout=0.05)
-        assert not req.cancel()
+    if comm.rank == 0:  # rank 1 posts 0.3 s later: not done yet
+        out["test_before"] = req.test()
+        out["short_wait"] = _outcome(lambda: req.wait(timeout=0.05))
+        out["cancel"] = req.cancel()
     seen: list[str] = []
     ready = threading.Event()
     req.add_done_callback(lambda f: (seen.append(threading.current_thread().name), ready.set()))
-    assert req.wait(timeout=10) is x and req.test()
-    assert ready.wait(5) and not seen[0].startswith("asyncreduce-engine")
+    out["wait_returns_the_buffer"] = req.wait(timeout=10) is x
+    out["test_after"] = req.test()
+    out["callback_ran"] = ready.wait(5)
+    out["callback_thread"] = seen[0] if seen else ""
     reqs = [comm.iallreduce(np.full(3, float(i)), name=f"f{i}") for i in range(5)]
-    assert sorted(
+    out["as_completed"] = sorted(
         float(f.result()[0]) for f in concurrent.futures.as_completed(reqs, timeout=10)
-    ) == [i * comm.world_size for i in range(5)]
+    )
     index, value = ar.wait_any([comm.iallreduce(np.ones(2), name="any")], timeout=10)
-    assert index == 0 and value[0] == comm.world_size
+    out["wait_any"] = (index, float(value[0]))
 
     async def main() -> float:
         return float((await comm.iallreduce(np.ones(1), name="aio"))[0])
 
-    assert asyncio.run(main()) == comm.world_size
+    out["await"] = asyncio.run(main())
     results = ar.wait_all(
         [comm.iallreduce(np.full(2, 1.0), name=f"all{i}") for i in range(3)], timeout=10
     )
-    assert [float(v[0]) for v in results] == [comm.world_size] * 3
+    out["wait_all"] = [float(v[0]) for v in results]
+    return out
 
 
 def test_request_is_a_future_with_mpi_spellings() -> None:
-    run_ranks(2, body_request_api)
+    results = run_ranks(2, body_request_api)
+    n = 2
+    first = results[0]
+    assert first["test_before"] is False and first["cancel"] is False, first
+    assert first["short_wait"].startswith("TimeoutError: "), first
+    assert "goes on" in first["short_wait"], first
+    for rank, out in results.items():
+        assert out["wait_returns_the_buffer"] and out["test_after"], (rank, out)
+        assert out["callback_ran"], (rank, out)
+        assert out["callback_thread"] and not out["callback_thread"].startswith(
+            "asyncreduce-engine"
+        ), (rank, out)  # callbacks never run on the progress thread
+        assert out["as_completed"] == [i * n for i in range(5)], (rank, out)
+        assert out["wait_any"] == (0, n), (rank, out)
+        assert out["await"] == n, (rank, out)
+        assert out["wait_all"] == [n] * 3, (rank, out)
 
 
 # ---- usage errors leave the communicator usable -------------------------------------------------
 
 
-def body_usage(comm: ar.Communicator) -> None:
-    bad = [
-        (lambda: comm.iallreduce(np.ones((4, 4))[:, 0]), "contiguous"),
-        (lambda: comm.iallreduce([1.0, 2.0]), "numpy array"),
-        (lambda: comm.iallreduce(b"abcd"), "read-only"),
-        (lambda: comm.iallreduce(np.ones(3), op="mean"), "sum, avg"),
-        (lambda: comm.iallreduce(np.ones(3, np.int32), op="avg"), "floating"),
-        (lambda: comm.iallreduce(np.ones(3, np.uint32)), "supported"),
-        (lambda: comm.iallreduce(np.ones(3, np.complex64), op="max"), "no order"),
-        (lambda: comm.iallreduce(np.ones(3), op="band"), "integers or bool"),
-        (lambda: comm.igather(np.ones(3), root=-1), "root"),
-        (lambda: comm.isend(np.ones(3), comm.rank), "another rank"),
-        (lambda: comm.irecv(np.ones(3), 0, tag=-1) if comm.rank else comm.isend(
-            np.ones(3), 1, tag=-1), "tag"),
-        (lambda: comm.group([0, 0]), "distinct"),
-        (lambda: comm.ibroadcast(np.ones(3), root=7), "root"),
-        (lambda: comm.ireduce_scatter(np.ones(3)), "divisible"),
-        (lambda: comm.iallreduce(np.ones(3), name=""), "name"),
-        (lambda: comm.iallreduce(np.ones(3), timeout=-1), "timeout"),
-    ]
-    for call, words in bad:
-        with pytest.raises(ar.UsageError, match=words):
-            call()
-    # nothing was numbered: unnamed operations still line up across ranks
-    assert np.all(comm.allreduce(np.ones(3)) == comm.world_size)
+USAGE_ERRORS: list[tuple[Callable[[ar.Communicator], object], str]] = [
+    (lambda comm: comm.iallreduce(np.ones((4, 4))[:, 0]), "contiguous"),
+    (lambda comm: comm.iallreduce([1.0, 2.0]), "numpy array"),
+    (lambda comm: comm.iallreduce(b"abcd"), "read-only"),
+    (lambda comm: comm.iallreduce(np.ones(3), op="mean"), "sum, avg"),
+    (lambda comm: comm.iallreduce(np.ones(3, np.int32), op="avg"), "floating"),
+    (lambda comm: comm.iallreduce(np.ones(3, np.uint32)), "supported"),
+    (lambda comm: comm.iallreduce(np.ones(3, np.complex64), op="max"), "no order"),
+    (lambda comm: comm.iallreduce(np.ones(3), op="band"), "integers or bool"),
+    (lambda comm: comm.igather(np.ones(3), root=-1), "root"),
+    (lambda comm: comm.isend(np.ones(3), comm.rank), "another rank"),
+    (lambda comm: comm.irecv(np.ones(3), 0, tag=-1) if comm.rank else comm.isend(
+        np.ones(3), 1, tag=-1), "tag"),
+    (lambda comm: comm.group([0, 0]), "distinct"),
+    (lambda comm: comm.ibroadcast(np.ones(3), root=7), "root"),
+    (lambda comm: comm.ireduce_scatter(np.ones(3)), "divisible"),
+    (lambda comm: comm.iallreduce(np.ones(3), name=""), "name"),
+    (lambda comm: comm.iallreduce(np.ones(3), timeout=-1), "timeout"),
+]  # (a wrong call, words its UsageError must contain)
+
+
+def body_usage(comm: ar.Communicator) -> dict[str, Any]:
+    outcomes = [_outcome(call, comm) for call, _ in USAGE_ERRORS]
+    return {"outcomes": outcomes, "then": comm.allreduce(np.ones(3)).tolist()}
 
 
 def test_usage_errors_are_clear_and_leave_the_communicator_usable() -> None:
-    run_ranks(2, body_usage)
+    results = run_ranks(2, body_usage)
+    for rank, out in results.items():
+        for (_, words), outcome in zip(USAGE_ERRORS, out["outcomes"], strict=True):
+            assert outcome.startswith("UsageError: ") and re.search(words, outcome), (
+                rank, words, outcome
+            )  # fmt: skip
+        # nothing was numbered: unnamed operations still line up across ranks
+        assert out["then"] == [2.0] * 3, (rank, out)
 
 
 # ---- input and output types ---------------------------------------------------------------------
 
 
-def body_types(comm: ar.Communicator) -> None:
+def body_types(comm: ar.Communicator) -> dict[str, Any]:
     import array
 
     import torch
 
-    n = comm.world_size
+    out: dict[str, Any] = {}
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert comm.allreduce(t) is t
-    assert torch.equal(t, torch.arange(6, dtype=torch.float32).reshape(2, 3) * n)
+    out["tensor"] = (comm.allreduce(t) is t, t.tolist())
     bf = torch.full((5,), 1.5, dtype=torch.bfloat16)
     comm.allreduce(bf)
-    assert bf.dtype == torch.bfloat16 and torch.all(bf == 1.5 * n)
+    out["bfloat16"] = (str(bf.dtype), bf.float().tolist())
     g = comm.allgather(torch.tensor([comm.rank], dtype=torch.bfloat16))
-    assert (
-        isinstance(g, torch.Tensor)
-        and g.dtype == torch.bfloat16
-        and g.flatten().tolist() == list(range(n))
-    )
+    out["allgather"] = (type(g).__name__, str(g.dtype), g.flatten().float().tolist())
     p = torch.ones(3, requires_grad=True)
-    out = comm.allreduce(p, inplace=False)
-    assert torch.all(out == n) and torch.all(p == 1)
+    result = comm.allreduce(p, inplace=False)
+    out["out_of_place_tensor"] = (result.tolist(), p.tolist())
     ba = bytearray([1, 2, 3])
-    assert comm.allreduce(ba) is ba and list(ba) == [n, 2 * n, 3 * n]
+    out["bytearray"] = (comm.allreduce(ba) is ba, list(ba))
     arr = array.array("d", [1.0, 2.0])
-    assert comm.allreduce(arr) is arr and list(arr) == [n, 2.0 * n]
+    out["array"] = (comm.allreduce(arr) is arr, list(arr))
     x = np.ones(4)
     y = comm.allreduce(x, inplace=False)
-    assert np.all(x == 1) and np.all(y == n)
+    out["numpy_out_of_place"] = (x.tolist(), y.tolist())
+    return out
 
 
 def test_numpy_torch_and_buffers_keep_their_type() -> None:
     pytest.importorskip("torch")
-    run_ranks(2, body_types)
+    results = run_ranks(2, body_types)
+    n = 2
+    for rank, out in results.items():
+        assert out["tensor"] == (True, [[0.0, n, 2.0 * n], [3.0 * n, 4.0 * n, 5.0 * n]]), out
+        assert out["bfloat16"] == ("torch.bfloat16", [1.5 * n] * 5), (rank, out)
+        assert out["allgather"] == ("Tensor", "torch.bfloat16", [0.0, 1.0]), (rank, out)
+        assert out["out_of_place_tensor"] == ([n] * 3, [1.0] * 3), (rank, out)  # p untouched
+        assert out["bytearray"] == (True, [n, 2 * n, 3 * n]), (rank, out)
+        assert out["array"] == (True, [n, 2.0 * n]), (rank, out)
+        assert out["numpy_out_of_place"] == ([1.0] * 4, [n] * 4), (rank, out)  # x untouched
 
 
 # ---- a name reused every iteration --------------------------------------------------------------

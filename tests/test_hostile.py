@@ -288,6 +288,7 @@ def test_store_slow_sender_holds_up_nobody(server: Server) -> None:
     outcome: dict[str, object] = {}
 
     def trickle() -> None:
+        start = time.monotonic()
         with socket.create_connection((LOCAL, server.port), timeout=10.0) as sock:
             try:
                 for byte in message:
@@ -296,6 +297,7 @@ def test_store_slow_sender_holds_up_nobody(server: Server) -> None:
                 outcome["answer"] = sock.recv(64)
             except (ConnectionResetError, BrokenPipeError) as exc:
                 outcome["answer"] = exc
+        outcome["after"] = time.monotonic() - start  # served, or when the drop was noticed
 
     thread = threading.Thread(target=trickle)
     thread.start()
@@ -303,11 +305,15 @@ def test_store_slow_sender_holds_up_nobody(server: Server) -> None:
     thread.join(timeout=20.0)
     assert not thread.is_alive()
     assert slowest < 1.0
-    answer = outcome["answer"]
+    answer, after = outcome["answer"], outcome["after"]
+    assert isinstance(after, float)
     if server.secret is None:  # no deadline after the 8-byte greeting: the slow client is served
         assert isinstance(answer, bytes) and answer.startswith(MAGIC), outcome
+        assert after >= 0.1 * len(message), outcome
     else:  # the greeting takes 0.8 s, the answer would take 1.8 s more: dropped at 1 s
-        assert isinstance(answer, OSError) or answer[:8] == MAGIC_AUTH, outcome
+        assert isinstance(answer, OSError), outcome  # a send failed: the server hung up
+        # noticed by the first or second byte sent after the drop (0.1 s apart)
+        assert HANDSHAKE_SECONDS - 0.1 <= after < HANDSHAKE_SECONDS + 0.7, outcome
     summary("store", mode_of(server), "slow sender", slowest_good_client_s=round(slowest, 3))
 
 
@@ -364,9 +370,10 @@ def test_store_pickle_payload_is_never_unpickled(server: Server, tmp_path: Path)
         except ConnectionResetError:
             pass
     time.sleep(0.2)
-    assert not target.exists()
+    created = target.exists()
+    summary("store", mode_of(server), "pickle payload", file_created=created)
+    assert not created
     assert server.serves() < 1.0
-    summary("store", mode_of(server), "pickle payload", file_created=target.exists())
 
 
 # ---------------------------------------------------------------- the data listener
@@ -490,7 +497,11 @@ def test_data_listener_slow_sender_holds_up_nobody(mesh: Mesh) -> None:
     time.sleep(0.3)  # the slow one is in the middle of its handshake
     took = mesh.join_as_rank_1()
     thread.join(timeout=10.0)
+    assert not thread.is_alive()
     assert took < 2.0
+    # Hung up on before its 29-byte HELLO (2.9 s) was through: at the handshake deadline, or
+    # sooner, when rank 0 is done; noticed by the first or second byte sent after that.
+    assert ended["after"] < HANDSHAKE_SECONDS + 0.7, ended
     summary("data", mode_of_mesh(mesh), "slow sender", good_rank_joined_s=round(took, 3))
 
 
@@ -526,8 +537,9 @@ def test_data_listener_pickle_payload(mesh: Mesh, tmp_path: Path) -> None:
     assert throw(mesh.port, HELLO.pack(b"ARDH", 1, 1, 2, bytes(16)) + payload)
     assert throw(mesh.port, b"ARDHAUTH" + payload)
     assert mesh.join_as_rank_1() < 2.0
-    assert not target.exists()
-    summary("data", mode_of_mesh(mesh), "pickle payload", file_created=target.exists())
+    created = target.exists()
+    summary("data", mode_of_mesh(mesh), "pickle payload", file_created=created)
+    assert not created
 
 
 class Sink:

@@ -23,6 +23,8 @@ import io
 import math
 import os
 import sys
+import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -546,13 +548,28 @@ def probe_averaged_after_backward(comm: ar.Communicator) -> dict[str, Any]:
 
 def probe_forward_waits_in_the_layer(comm: ar.Communicator) -> dict[str, Any]:
     """forward mode waits for a layer's gradients in that layer's forward pre-hook, not in
-    step(): when the next forward reaches fc, every layer before it has been updated and
-    fc has not, until its own pre-hook runs."""
+    step(): rank 0's step() returns before any other rank has sent its gradients (they wait
+    for it to, by a file, up to 10 s), so nothing rank 0 sent can have been reduced yet; and
+    when the next forward reaches fc, every layer before it has been updated and fc has not,
+    until its own pre-hook runs."""
     module = make_model(comm.rank)
     model = art.DataParallel(module, comm, optimizer=make_optimizer("sgd"), mode="forward")
+    token = comm.broadcast(np.frombuffer(os.urandom(8), np.int64).copy(), root=0)
+    step_returned = os.path.join(tempfile.gettempdir(), f"asyncreduce-step-{token[0]:x}")
     x, y = batch(comm.world_size, 0, 0)
-    F.cross_entropy(model(shard(x, comm.rank)), shard(y, comm.rank)).backward()
-    model.step()
+    loss = F.cross_entropy(model(shard(x, comm.rank)), shard(y, comm.rank))  # buffers synced
+    if comm.rank == 0:
+        loss.backward()
+        model.step()  # waiting here for the others' gradients would wait for the file's 10 s
+        open(step_returned, "w").close()
+        before_others_sent = True
+    else:
+        deadline = time.monotonic() + 10.0
+        while not os.path.exists(step_returned) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before_others_sent = os.path.exists(step_returned)
+        loss.backward()
+        model.step()
     state = model.optimizer.state  # SGD makes a parameter's momentum at its first update
 
     def stepped() -> dict[str, bool]:
@@ -569,7 +586,14 @@ def probe_forward_waits_in_the_layer(comm: ar.Communicator) -> dict[str, Any]:
         model(shard(x, comm.rank))
     handle.remove()
     model.close()
-    return {"stepped_after_step": after_step, "stepped_when_fc_runs": seen}
+    comm.barrier()  # every rank has looked for the file
+    if comm.rank == 0:
+        os.remove(step_returned)
+    return {
+        "rank_0_step_returned_before_this_rank_sent": before_others_sent,
+        "stepped_after_step": after_step,
+        "stepped_when_fc_runs": seen,
+    }
 
 
 def probe_buffers(comm: ar.Communicator) -> dict[str, Any]:
@@ -753,6 +777,7 @@ def test_grad_is_the_average_when_backward_returns_in_blocking_and_backward(worl
 @WORLDS
 def test_forward_mode_waits_in_the_layers_pre_hook_not_in_step(world: int) -> None:
     for report in probed(world, "forward_waits"):
+        assert report["rank_0_step_returned_before_this_rank_sent"], report
         assert not any(report["stepped_after_step"].values()), report["stepped_after_step"]
         seen = report["stepped_when_fc_runs"]
         assert all(seen[n] for n in seen if not n.startswith("fc.")), seen

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -203,6 +204,7 @@ def run_scenario(comm: ar.Communicator, key: str) -> dict[str, Any]:
     init = flat(module).numpy().copy()
     unused_init = flat(module.unused).numpy().copy() if model == "dynamic" else None
     grads_left: list[int] = []  # steps after which step() left a gradient that is not None
+    started = time.perf_counter()
     for t in range(steps_of(model)):
         if kind == "no_sync":
             micro = [make_batch(model, world, t, i) for i in range(3)]
@@ -220,6 +222,7 @@ def run_scenario(comm: ar.Communicator, key: str) -> dict[str, Any]:
         if any(p.grad is not None for p in module.parameters()):
             grads_left.append(t)
     dp.synchronize()
+    train_s = time.perf_counter() - started  # every allreduce stats() counts lies in here
     stats = dp.stats()
     final = flat(module).numpy().copy()
     return {
@@ -228,6 +231,7 @@ def run_scenario(comm: ar.Communicator, key: str) -> dict[str, Any]:
         "bytes": final.tobytes(),
         "grads_left": grads_left,
         "stats": dict(stats),
+        "train_s": train_s,
         "unused_moved": (
             None if unused_init is None else not np.array_equal(unused_init, flat(module.unused))
         ),
@@ -426,12 +430,21 @@ def test_parameter_unused_on_every_rank_never_moves(group: str, key: str) -> Non
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_stats_in_forward_mode(group: str) -> None:
+    """stats() after 12 steps: time in flight counted once however many buckets overlap (no
+    more than the training took), every wait in a layer's pre-hook timed as exposed, and
+    hidden_share what the other two say."""
     for rank, got in enumerate(scenario(group, "mlp/sgd/forward")):
-        stats = got["stats"]
+        stats, train_s = got["stats"], got["train_s"]
+        seen = f"rank {rank}: stats()={stats}, training took {train_s:.3f} s"
+        assert set(stats) == {"exposed_s", "comm_s", "hidden_share"}, seen
         for field in ("exposed_s", "comm_s"):
-            assert isinstance(stats.get(field), float), f"rank {rank}: stats()={stats}"
-        assert stats["comm_s"] > 0, f"rank {rank}: stats()={stats}"
-        assert stats["exposed_s"] >= 0, f"rank {rank}: stats()={stats}"
+            assert isinstance(stats.get(field), float), seen
+        # 36 allreduces, three layers' in flight at once: their spans summed may exceed the
+        # training time, their union (what comm_s is) cannot
+        assert 0 < stats["comm_s"] <= train_s, seen
+        assert 0 < stats["exposed_s"] <= train_s, seen  # 36 waits, each timed
+        hidden = min(1.0, max(0.0, 1 - stats["exposed_s"] / stats["comm_s"]))
+        assert stats["hidden_share"] == pytest.approx(hidden, abs=1e-12), seen
 
 
 # ---- bad input ----------------------------------------------------------------------------------

@@ -11,6 +11,11 @@ Grouping: one bucket per module that owns trainable parameters directly (``layer
 forward mode, whose unit of overlap is the layer), or runs of parameters in reverse
 registration order, the order backward produces them, up to a byte limit (``size_groups``).
 A bucket holds one device and one dtype.
+
+Buffers (``build_buckets``): CPU buckets are reduced in place, in buffers carved from one
+shared window per dtype (``comm.shared_empty``), so with every rank on one host their
+allreduces read the peers' buffers in place; CUDA buckets travel through a pinned host twin
+of each buffer, by the device's staging thread (staging.py).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import Communicator
 from ..request import Request
 from .optimizer import Hyper
-from .staging import Stager
+from .staging import Stager, stager_for
 
-__all__ = ["Bucket", "Update", "layer_groups", "size_groups"]
+__all__ = ["Bucket", "Update", "build_buckets", "layer_groups", "size_groups"]
 
 Group = tuple[nn.Module | None, list[nn.Parameter]]
 
@@ -180,6 +186,52 @@ def size_groups(params: list[nn.Parameter], limit: int) -> list[Group]:
     if current:
         groups.append((None, current))
     return groups
+
+
+def build_buckets(
+    comm: Communicator, prefix: str, groups: list[Group], priorities: list[int], copies: int
+) -> list[Bucket]:
+    """One bucket per group, named ``{prefix}.bucket{i}``, with ``copies`` buffers each (see
+    the module docstring)."""
+    sizes = [sum(p.numel() for p in group) + len(group) for _, group in groups]
+    shared = _shared_buffers(comm, [g for _, g in groups], sizes, copies)
+    buckets = []
+    for i, (module, group) in enumerate(groups):
+        device, dtype = group[0].device, group[0].dtype
+        buffers = shared.get(i) or [
+            torch.zeros(sizes[i], dtype=dtype, device=device) for _ in range(copies)
+        ]
+        bucket = Bucket(f"{prefix}.bucket{i}", group, priorities[i], buffers, module)
+        bucket.stager = stager_for(comm, device)
+        if bucket.stager is not None:
+            bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
+        buckets.append(bucket)
+    return buckets
+
+
+def _shared_buffers(
+    comm: Communicator, groups: list[list[nn.Parameter]], sizes: list[int], copies: int
+) -> dict[int, list[torch.Tensor]]:
+    """The buffers of the CPU buckets, carved from one shared window per dtype
+    (``comm.shared_empty``: collective, and the same on every rank, like the buckets), so
+    that on one host their allreduces read the peers' buffers in place; elsewhere the
+    window is an ordinary array. {bucket index: its buffers}."""
+    out: dict[int, list[torch.Tensor]] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, group in enumerate(groups):
+        if group[0].device.type == "cpu" and group[0].dtype != torch.bfloat16:
+            by_dtype.setdefault(group[0].dtype, []).append(i)  # numpy has no bfloat16
+    for dtype, mine in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        window = comm.shared_empty(sum(sizes[i] for i in mine) * copies, np_dtype)
+        window[:] = 0
+        offset = 0
+        for i in mine:
+            out[i] = []
+            for _ in range(copies):
+                out[i].append(torch.from_numpy(window[offset : offset + sizes[i]]))
+                offset += sizes[i]
+    return out
 
 
 def _kind(p: nn.Parameter) -> tuple[torch.dtype, torch.device]:

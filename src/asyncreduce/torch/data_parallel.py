@@ -11,16 +11,13 @@ operations however its graph looked:
   about to return. Except in ``blocking`` mode, a bucket is packed and ``iallreduce``-d (sum,
   named after the bucket) as soon as all its parameters are ready; the final callback posts
   the buckets this rank's graph did not complete (unused parameters send zeros, flag 0).
-* What then happens is the mode. ``blocking`` posts everything in the final callback and
-  waits; ``backward`` waits there for what backward already sent (the DDP way). Either way
-  every ``p.grad`` holds the average when ``backward()`` returns, so clipping, logging or
-  checks between ``backward()`` and ``step()`` see what DDP shows them. ``forward`` and
-  ``double_buffer`` wait for nothing: ``step()`` closes the step. ``forward`` applies each
-  layer's update just before that layer's next forward (a forward pre-hook) with the
-  hyper-parameters ``step()`` saw, so communication overlaps the rest of backward and the
-  next forward; ``double_buffer`` applies the previous step's gradients (one step stale)
-  while this step's travel. In those two modes ``p.grad`` still holds this rank's own gradient
-  after backward, and changing it before ``step()`` is an error (what was sent would differ).
+* What then happens is the mode (modes/), a policy object the wrapper composes at a few
+  hooks. ``blocking`` and ``backward`` wait in the final callback, so every ``p.grad`` holds
+  the average when ``backward()`` returns (the DDP way). ``forward`` and ``double_buffer``
+  wait for nothing (``step()`` closes the step) and apply the updates later: each layer's in
+  its forward pre-hook, or all of them one step stale. In those two modes ``p.grad`` still
+  holds this rank's own gradient after backward, and changing it before ``step()`` is an
+  error (what was sent would differ).
 * Accumulation: gradients accumulate in ``p.grad`` as usual. Each synced pass sends the whole
   accumulated gradient; a later pass of the same step supersedes an earlier one (its result is
   waited for and dropped). Since averaging is linear this gives what DDP gives: the sum over
@@ -28,12 +25,9 @@ operations however its graph looked:
 * ``optimizer`` (optimizer.py) is the one torch optimizer over every parameter; ``step()`` of
   the wrapper and of ``model.optimizer`` are the same call. Buffers follow DDP (replicas.py).
 
-Devices. A bucket holds parameters of one device and dtype. CPU buckets are reduced in place
-(no copy), and their buffers are carved from one shared window per dtype
-(``comm.shared_empty``), so with every rank on one host their allreduces read the peers'
-buffers in place; CUDA buckets travel through a pinned host twin of their buffer by the
-device's staging thread (staging.py), and every wait is a request ``wait()``, which orders
-this thread's current stream after the copy back.
+Devices. A bucket holds parameters of one device and dtype: CPU buckets are reduced in place,
+CUDA buckets through a pinned host twin (buckets.py, staging.py); every wait is a request
+``wait()``, which orders this thread's current stream after the copy back.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,8 +46,9 @@ from ..comm import Communicator
 from ..errors import ClosedError, UsageError
 from ..request import Request
 from ..trace import Timeline
-from .buckets import Bucket, Update, layer_groups, size_groups
+from .buckets import Bucket, Update, build_buckets
 from .join import Joining
+from .modes import MODES, mode_for
 from .optimizer import DataParallelOptimizer
 from .replicas import BufferSync, broadcast_bytes, broadcast_parameters, check_same_everywhere
 from .staging import stager_for
@@ -61,8 +56,6 @@ from .stats import CommStats
 
 __all__ = ["DataParallel", "MODES"]
 
-MODES = ("blocking", "backward", "forward", "double_buffer")
-_AVERAGED_IN_BACKWARD = ("blocking", "backward")  # p.grad is the average once backward returns
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _NEEDS_ALL_GRADIENTS = (torch.optim.LBFGS,)  # re-evaluates the whole model in step()
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DataParallel]] = (
@@ -94,6 +87,7 @@ class DataParallel(nn.Module):
         _check_arguments(module, mode, optimizer)
         self.module = module
         self.mode = mode
+        self._mode = mode_for(mode)  # what the mode does at each hook (modes/)
         self.timeline = timeline
         self._comm = comm
         self._sync = True
@@ -104,7 +98,6 @@ class DataParallel(nn.Module):
         self._forward_end = 0.0
         self._stats = CommStats()
         self._closed = False
-        self._first_forward = mode == "forward"  # see _watch_first_forward
         self._joining = Joining(self)
         named = list(module.named_parameters())  # frozen ones too: DDP syncs those as well
         self._params = [p for _, p in named if p.requires_grad]
@@ -123,9 +116,9 @@ class DataParallel(nn.Module):
         self.optimizer = DataParallelOptimizer(
             _made(optimizer(list(module.parameters()))),
             weakref.WeakMethod(self._step),
-            deferred=mode not in _AVERAGED_IN_BACKWARD,
+            deferred=not self._mode.averaged_in_backward,
         )
-        if mode not in _AVERAGED_IN_BACKWARD and isinstance(
+        if not self._mode.averaged_in_backward and isinstance(
             self.optimizer.inner, _NEEDS_ALL_GRADIENTS
         ):
             raise UsageError(
@@ -139,51 +132,9 @@ class DataParallel(nn.Module):
     # ---- set-up ------------------------------------------------------------------------------
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-        groups = (
-            layer_groups(self.module)
-            if self.mode == "forward"
-            else size_groups(params, bucket_bytes)
-        )
-        copies = 2 if self.mode == "double_buffer" else 1
-        sizes = [sum(p.numel() for p in group) + len(group) for _, group in groups]
-        shared = self._shared_buffers([g for _, g in groups], sizes, copies)
-        buckets = []
-        for i, (module, group) in enumerate(groups):
-            device, dtype = group[0].device, group[0].dtype
-            buffers = shared.get(i) or [
-                torch.zeros(sizes[i], dtype=dtype, device=device) for _ in range(copies)
-            ]
-            priority = len(groups) - i if self.mode == "forward" else 0  # nearest the input first
-            bucket = Bucket(f"{self._prefix}.bucket{i}", group, priority, buffers, module)
-            bucket.stager = stager_for(self._comm, device)
-            if bucket.stager is not None:
-                bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
-            buckets.append(bucket)
-        return buckets
-
-    def _shared_buffers(
-        self, groups: list[list[nn.Parameter]], sizes: list[int], copies: int
-    ) -> dict[int, list[torch.Tensor]]:
-        """The buffers of the CPU buckets, carved from one shared window per dtype
-        (``comm.shared_empty``: collective, and the same on every rank, like the buckets), so
-        that on one host their allreduces read the peers' buffers in place; elsewhere the
-        window is an ordinary array. {bucket index: its buffers}."""
-        out: dict[int, list[torch.Tensor]] = {}
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, group in enumerate(groups):
-            if group[0].device.type == "cpu" and group[0].dtype != torch.bfloat16:
-                by_dtype.setdefault(group[0].dtype, []).append(i)  # numpy has no bfloat16
-        for dtype, mine in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-            window = self._comm.shared_empty(sum(sizes[i] for i in mine) * copies, np_dtype)
-            window[:] = 0
-            offset = 0
-            for i in mine:
-                out[i] = []
-                for _ in range(copies):
-                    out[i].append(torch.from_numpy(window[offset : offset + sizes[i]]))
-                    offset += sizes[i]
-        return out
+        groups = self._mode.groups(self.module, params, bucket_bytes)
+        priorities = [self._mode.priority(i, len(groups)) for i in range(len(groups))]
+        return build_buckets(self._comm, self._prefix, groups, priorities, self._mode.copies)
 
     def _install_hooks(self) -> list[Any]:
         me = weakref.ref(self)  # hooks must not keep the wrapper alive (close on collection)
@@ -197,37 +148,7 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(grad_ready)  # type: ignore[no-untyped-call]
             for p in self._params
         ]
-        if self.mode == "forward":
-            holders = _holders(self.module)
-            for bucket in self._buckets:
-                modules = {id(m): m for p in bucket.params for m in holders[id(p)]}
-                for module in modules.values():
-                    hooks.append(_hook_layer(module, _LayerHook(me, bucket)))
-        return hooks
-
-    def _watch_first_forward(self) -> Callable[[], None]:
-        """forward mode, first forward: note which modules run. A layer whose parameters are
-        used by its parent without the layer itself running (MultiheadAttention's out_proj)
-        gets its update from the pre-hook of the nearest ancestor that ran instead."""
-        ran: set[int] = set()
-        watching = [m.register_forward_pre_hook(lambda m, a: ran.add(id(m)))
-                    for m in self.module.modules()]  # fmt: skip
-        me = weakref.ref(self)
-
-        def settle() -> None:
-            _remove_all(watching)
-            parents = _parents(self.module)
-            holders = _holders(self.module)
-            for bucket in self._buckets:
-                layers = {id(m): m for p in bucket.params for m in holders[id(p)]}
-                if ran & set(layers):
-                    continue
-                ancestor = next(iter(layers.values()))
-                while id(ancestor) not in ran and id(ancestor) in parents:
-                    ancestor = parents[id(ancestor)]
-                self._hooks.append(_hook_layer(ancestor, _LayerHook(me, bucket)))
-
-        return settle
+        return hooks + self._mode.install_hooks(self)
 
     # ---- the training loop ---------------------------------------------------------------------
 
@@ -239,8 +160,7 @@ class DataParallel(nn.Module):
         if self._joining.active:
             root = self._joining.notify(self._buffer_sync.due, self._sync)
         self._buffer_sync.before_forward(root)
-        settle = self._watch_first_forward() if self._first_forward else None
-        self._first_forward = False
+        settle = self._mode.watch_forward(self)
         try:
             out = self.module(*args, **kwargs)
         finally:
@@ -263,7 +183,7 @@ class DataParallel(nn.Module):
         if self.timeline is not None and self._forward_end:
             self.timeline.add("backward", "train", self._forward_end, time.perf_counter())
         started = time.perf_counter()
-        if closure is not None and self.mode not in _AVERAGED_IN_BACKWARD:
+        if closure is not None and not self._mode.averaged_in_backward:
             raise UsageError(
                 f"step(closure) re-evaluates the model, which mode={self.mode!r} cannot do "
                 "(it applies updates later); use mode='backward'"
@@ -271,47 +191,19 @@ class DataParallel(nn.Module):
         if closure is None and self._passes == 0:
             self._open_pass()  # no synced backward this step: send what there is (maybe none)
             self._end_pass()
-        result = None
-        if self.mode in _AVERAGED_IN_BACKWARD:
-            result = self.optimizer.step_inner(closure)
-        else:
-            self._close_step()
-        _clear(self._params)
+        result = self._mode.step(self, closure)
+        self._clear_gradients()
         self._generation += 1
         self._passes = 0
         if self.timeline is not None:
             self.timeline.add("step", "train", started, time.perf_counter())
         return result
 
-    def _close_step(self) -> None:
-        """forward, double_buffer: this step's gradients become the pending updates (forward
-        mode's carry the hyper-parameters in force now; its previous ones were all applied
-        before their buckets were sent again)."""
-        self._refuse_changed_gradients()
-        hyper = self.optimizer.snapshot() if self.mode == "forward" else None
-        previous = [b.update for b in self._buckets]
-        for b in self._buckets:
-            b.update, b.inflight = b.inflight, None
-            if b.update is not None:
-                b.update.hyper = hyper
-        if self.mode == "double_buffer":
-            _clear(self._params)
-            self._apply_all(previous)  # the previous step's gradients: one step stale
-        else:
-            assert not any(previous), "forward mode left an update unapplied"
-
     def synchronize(self) -> None:
         """Apply every pending update: parameters are final (evaluation, the end of training;
         for a checkpoint that resumes exactly, see ``wrapper_state_dict``)."""
         self._check_open("synchronize")
-        if self.mode == "forward":
-            for bucket in self._buckets:
-                self._apply_update(bucket)
-        elif self.mode == "double_buffer":
-            pending = [b.update for b in self._buckets]
-            for b in self._buckets:
-                b.update = None
-            self._apply_all(pending)
+        self._mode.synchronize(self)
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
@@ -331,7 +223,7 @@ class DataParallel(nn.Module):
     def _shadow_backward(self) -> None:
         """join(): the synced backward pass of the ranks still training, with zeros here."""
         saved = [p.grad for p in self._params]
-        _clear(self._params)
+        self._clear_gradients()
         self._open_pass()
         self._end_pass()  # every bucket posted with flag 0; blocking/backward wait here
         for bucket in self._buckets:
@@ -423,16 +315,10 @@ class DataParallel(nn.Module):
             self._open_pass()
             Variable._execution_engine.queue_callback(self._end_pass)
         bucket = self._bucket_of[id(param)]
-        if bucket.update is not None and self.mode == "forward":
-            raise UsageError(
-                f"{self._names[id(param)]!r} was used in this forward while the update of its "
-                "last step was still pending: mode='forward' applies a layer's update just "
-                "before that layer (the module that owns the parameter) runs, and it did not "
-                "run before this use. Use the parameter only inside its own module's forward, "
-                "or use mode='backward'"
-            )
+        if bucket.update is not None:
+            self._mode.used_while_pending(self, param)
         bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params) and self.mode != "blocking":
+        if len(bucket.ready) == len(bucket.params) and self._mode.posts_early:
             self._post(bucket)
 
     def _open_pass(self) -> None:
@@ -442,27 +328,23 @@ class DataParallel(nn.Module):
             bucket.ready.clear()  # a backward that raised may have left some
 
     def _end_pass(self) -> None:
-        """The end of a synced backward pass: every bucket not sent in it is sent now; in
-        blocking and backward modes the averages are then waited for and put in ``p.grad``."""
+        """The end of a synced backward pass: what the mode does then (``Mode.end_pass``:
+        every bucket not sent in it is sent; blocking and backward then wait for the averages
+        and put them in ``p.grad``)."""
         self._pass_open = False
         self._passes += 1
-        exposed = self._stats.exposed() if self.mode == "blocking" else contextlib.nullcontext()
-        with exposed:
-            for bucket in self._buckets:
-                if bucket.posted_pass != self._pass:
-                    self._post(bucket)
-            if self.mode in _AVERAGED_IN_BACKWARD:
-                for bucket in self._buckets:
-                    update, bucket.inflight = bucket.inflight, None
-                    if update is not None:
-                        grads = self._gradients(bucket, update)
-                        for p, g in zip(bucket.params, grads, strict=True):
-                            p.grad = g
+        self._mode.end_pass(self)
+
+    def _post_unsent(self) -> None:
+        """Every bucket not sent in this pass, sent now."""
+        for bucket in self._buckets:
+            if bucket.posted_pass != self._pass:
+                self._post(bucket)
 
     def _post(self, bucket: Bucket) -> None:
         """Pack the bucket's gradients (zeros, flag 0, where None) and send them."""
-        if bucket.update is not None and self.mode == "forward":
-            self._apply_update(bucket)  # its layer did not run since its last step
+        if bucket.update is not None:
+            self._mode.before_post(self, bucket)
         if bucket.inflight is not None:  # an earlier pass of this step: superseded
             self._gradients(bucket, bucket.inflight)  # its buffer is reused: wait for it
         flat = bucket.flat(self._generation)
@@ -478,18 +360,6 @@ class DataParallel(nn.Module):
         bucket.inflight = Update(request, flat)
         bucket.posted_pass = self._pass
         bucket.ready.clear()
-
-    def _refuse_changed_gradients(self) -> None:
-        for bucket in self._buckets:
-            param = bucket.changed()
-            if param is not None:
-                raise UsageError(
-                    f"the gradient of {self._names[id(param)]!r} changed after backward sent it "
-                    f"(by clip_grad_norm_, zero_grad, an assignment, ...): mode={self.mode!r} "
-                    "sends each gradient as backward produces it, so the change would be lost. "
-                    "Use mode='backward' or 'blocking', where p.grad holds the average once "
-                    "backward() returns and may be changed before step()"
-                )
 
     # ---- applying updates ------------------------------------------------------------------------
 
@@ -508,49 +378,13 @@ class DataParallel(nn.Module):
                 self.timeline.add(f"allreduce {bucket.name}", "comm", request.posted_at, end)
         return update.gradients(bucket, self._comm.world_size)
 
-    def _apply_update(self, bucket: Bucket) -> None:
-        """forward mode: the bucket's pending update, stepped by itself with its recorded
-        hyper-parameters; ``p.grad`` is left as it was."""
-        update, bucket.update = bucket.update, None
-        if update is None:
-            return
-        grads = self._gradients(bucket, update)
-        saved = [p.grad for p in bucket.params]
-        for p, g in zip(bucket.params, grads, strict=True):
-            p.grad = g
-        try:
-            self.optimizer.step_subset(bucket.params, update.hyper)
-        finally:
-            for p, g in zip(bucket.params, saved, strict=True):
-                p.grad = g
-
-    def _apply_all(self, updates: list[Update | None]) -> None:
-        """double_buffer: one optimizer step over these updates (gradients cleared before)."""
-        if not any(u is not None for u in updates):
-            return
-        for bucket, update in zip(self._buckets, updates, strict=True):
-            if update is not None:
-                for p, g in zip(bucket.params, self._gradients(bucket, update), strict=True):
-                    p.grad = g
-        self.optimizer.step_inner()
-        _clear(self._params)
+    def _clear_gradients(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise ClosedError(f"{what}: this DataParallel was closed")
-
-
-class _LayerHook:
-    """forward mode's pre-hook of one layer: its pending update, just before it runs."""
-
-    def __init__(self, wrapper: weakref.ref[DataParallel], bucket: Bucket) -> None:
-        self._wrapper = wrapper
-        self._bucket = bucket
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        wrapper = self._wrapper()
-        if wrapper is not None and self._bucket.update is not None:
-            wrapper._apply_update(self._bucket)
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -590,34 +424,6 @@ def _restored(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor | 
         raise UsageError(f"a pending update of shape {tuple(grad.shape)} for a parameter of "
                          f"shape {tuple(param.shape)}: not this model's checkpoint")  # fmt: skip
     return grad.to(device=param.device, dtype=param.dtype)
-
-
-def _holders(module: nn.Module) -> dict[int, list[nn.Module]]:
-    """{id(parameter): every module holding it directly} (a tied weight has several)."""
-    found: dict[int, list[nn.Module]] = {}
-    for sub in module.modules():
-        for p in sub.parameters(recurse=False):
-            found.setdefault(id(p), []).append(sub)
-    return found
-
-
-def _parents(module: nn.Module) -> dict[int, nn.Module]:
-    """{id(child): its parent} (a module used in two places: its first parent)."""
-    found: dict[int, nn.Module] = {}
-    for parent in module.modules():
-        for child in parent.children():
-            found.setdefault(id(child), parent)
-    return found
-
-
-def _hook_layer(module: nn.Module, hook: _LayerHook) -> Any:
-    """Before every other pre-hook (weight_norm's computes the weight from the parameters)."""
-    return module.register_forward_pre_hook(hook, prepend=True)
-
-
-def _clear(params: Iterable[nn.Parameter]) -> None:
-    for p in params:
-        p.grad = None
 
 
 def _remove_all(hooks: list[Any]) -> None:

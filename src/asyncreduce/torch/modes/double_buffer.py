@@ -1,0 +1,55 @@
+"""``double_buffer``: each step applies the previous step's gradients (one step stale).
+
+Theory of operation. Every bucket has two buffers and the steps alternate between them, so
+this step's allreduces travel in one while the previous step's averages are still read from
+the other. Nothing waits in backward: ``step()`` makes this step's posts the pending updates,
+clears the gradients, and applies the updates pending until now in one step of the inner
+optimizer (waiting for what has not arrived yet). Communication thus overlaps a whole step,
+at the price of one step of staleness, and ``p.grad`` still holds this rank's own gradient
+after backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..buckets import Update
+from .base import Mode, make_pending, refuse_changed_gradients
+
+if TYPE_CHECKING:
+    from ..data_parallel import DataParallel
+
+__all__ = ["DoubleBuffer"]
+
+
+class DoubleBuffer(Mode):
+    """Apply the previous step's updates in ``step()`` while this step's travel."""
+
+    name = "double_buffer"
+    copies = 2
+
+    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+        refuse_changed_gradients(dp)
+        previous = make_pending(dp, None)
+        dp._clear_gradients()
+        _apply_all(dp, previous)  # the previous step's gradients: one step stale
+        return None
+
+    def synchronize(self, dp: DataParallel) -> None:
+        pending = [b.update for b in dp._buckets]
+        for b in dp._buckets:
+            b.update = None
+        _apply_all(dp, pending)
+
+
+def _apply_all(dp: DataParallel, updates: list[Update | None]) -> None:
+    """One optimizer step over these updates (the gradients cleared before)."""
+    if not any(u is not None for u in updates):
+        return
+    for bucket, update in zip(dp._buckets, updates, strict=True):
+        if update is not None:
+            for p, g in zip(bucket.params, dp._gradients(bucket, update), strict=True):
+                p.grad = g
+    dp.optimizer.step_inner()
+    dp._clear_gradients()

@@ -1,0 +1,167 @@
+"""``forward``: each layer's update is applied just before that layer's next forward.
+
+Theory of operation. There is one bucket per layer (the module that owns the parameters),
+the layers nearest the input first in priority, since the next forward needs them first.
+Nothing waits in backward or in ``step()``: ``step()`` closes the step, making each bucket's
+post its pending update together with the hyper-parameters (lr, momentum, ...) that
+``step()`` saw, and a forward pre-hook on the layer waits for that allreduce and steps the
+layer's parameters alone with them (``DataParallelOptimizer.step_subset``). Communication
+thus overlaps the rest of backward and the next forward, and ``p.grad`` still holds this
+rank's own gradient after backward.
+
+* A layer whose parameters its parent uses without the layer itself running
+  (MultiheadAttention's ``out_proj``) gets its update from the pre-hook of the nearest
+  ancestor that ran in the first forward (``watch_forward``).
+* A bucket about to be sent again with its update still pending (its layer did not run since
+  its last step) applies that update first. A parameter whose gradient arrives while its
+  update is pending was used before its layer ran: an error, since it was used stale.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ...errors import UsageError
+from ..buckets import Bucket, Group, layer_groups
+from .base import Mode, make_pending, refuse_changed_gradients
+
+if TYPE_CHECKING:
+    from ..data_parallel import DataParallel
+
+__all__ = ["Forward", "apply_update"]
+
+
+class Forward(Mode):
+    """Apply each layer's update in its forward pre-hook (see the module docstring)."""
+
+    name = "forward"
+
+    def __init__(self) -> None:
+        self._first_forward = True  # see watch_forward
+
+    def groups(self, module: nn.Module, params: list[nn.Parameter], bucket_bytes: int
+               ) -> list[Group]:  # fmt: skip
+        return layer_groups(module)
+
+    def priority(self, index: int, count: int) -> int:
+        return count - index  # nearest the input first
+
+    def install_hooks(self, dp: DataParallel) -> list[Any]:
+        me = weakref.ref(dp)  # hooks must not keep the wrapper alive (close on collection)
+        holders = _holders(dp.module)
+        hooks = []
+        for bucket in dp._buckets:
+            modules = {id(m): m for p in bucket.params for m in holders[id(p)]}
+            for module in modules.values():
+                hooks.append(_hook_layer(module, _LayerHook(me, bucket)))
+        return hooks
+
+    def watch_forward(self, dp: DataParallel) -> Callable[[], None] | None:
+        """The first forward: note which modules run. A layer whose parameters are used by
+        its parent without the layer itself running gets its update from the pre-hook of the
+        nearest ancestor that ran instead."""
+        if not self._first_forward:
+            return None
+        self._first_forward = False
+        ran: set[int] = set()
+        watching = [m.register_forward_pre_hook(lambda m, a: ran.add(id(m)))
+                    for m in dp.module.modules()]  # fmt: skip
+        me = weakref.ref(dp)
+
+        def settle() -> None:
+            for hook in watching:
+                hook.remove()
+            parents = _parents(dp.module)
+            holders = _holders(dp.module)
+            for bucket in dp._buckets:
+                layers = {id(m): m for p in bucket.params for m in holders[id(p)]}
+                if ran & set(layers):
+                    continue
+                ancestor = next(iter(layers.values()))
+                while id(ancestor) not in ran and id(ancestor) in parents:
+                    ancestor = parents[id(ancestor)]
+                dp._hooks.append(_hook_layer(ancestor, _LayerHook(me, bucket)))
+
+        return settle
+
+    def used_while_pending(self, dp: DataParallel, param: torch.Tensor) -> None:
+        raise UsageError(
+            f"{dp._names[id(param)]!r} was used in this forward while the update of its "
+            "last step was still pending: mode='forward' applies a layer's update just "
+            "before that layer (the module that owns the parameter) runs, and it did not "
+            "run before this use. Use the parameter only inside its own module's forward, "
+            "or use mode='backward'"
+        )
+
+    def before_post(self, dp: DataParallel, bucket: Bucket) -> None:
+        apply_update(dp, bucket)  # its layer did not run since its last step
+
+    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+        """This step's gradients become the pending updates, with the hyper-parameters in
+        force now (the previous ones were all applied before their buckets were sent again)."""
+        refuse_changed_gradients(dp)
+        previous = make_pending(dp, dp.optimizer.snapshot())
+        assert not any(previous), "forward mode left an update unapplied"
+        return None
+
+    def synchronize(self, dp: DataParallel) -> None:
+        for bucket in dp._buckets:
+            apply_update(dp, bucket)
+
+
+def apply_update(dp: DataParallel, bucket: Bucket) -> None:
+    """The bucket's pending update, stepped by itself with its recorded hyper-parameters;
+    ``p.grad`` is left as it was."""
+    update, bucket.update = bucket.update, None
+    if update is None:
+        return
+    grads = dp._gradients(bucket, update)
+    saved = [p.grad for p in bucket.params]
+    for p, g in zip(bucket.params, grads, strict=True):
+        p.grad = g
+    try:
+        dp.optimizer.step_subset(bucket.params, update.hyper)
+    finally:
+        for p, g in zip(bucket.params, saved, strict=True):
+            p.grad = g
+
+
+class _LayerHook:
+    """The pre-hook of one layer: its pending update, just before it runs."""
+
+    def __init__(self, wrapper: weakref.ref[DataParallel], bucket: Bucket) -> None:
+        self._wrapper = wrapper
+        self._bucket = bucket
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None and self._bucket.update is not None:
+            apply_update(wrapper, self._bucket)
+
+
+def _holders(module: nn.Module) -> dict[int, list[nn.Module]]:
+    """{id(parameter): every module holding it directly} (a tied weight has several)."""
+    found: dict[int, list[nn.Module]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            found.setdefault(id(p), []).append(sub)
+    return found
+
+
+def _parents(module: nn.Module) -> dict[int, nn.Module]:
+    """{id(child): its parent} (a module used in two places: its first parent)."""
+    found: dict[int, nn.Module] = {}
+    for parent in module.modules():
+        for child in parent.children():
+            found.setdefault(id(child), parent)
+    return found
+
+
+def _hook_layer(module: nn.Module, hook: _LayerHook) -> Any:
+    """Before every other pre-hook (weight_norm's computes the weight from the parameters)."""
+    return module.register_forward_pre_hook(hook, prepend=True)

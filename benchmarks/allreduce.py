@@ -57,9 +57,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, next to this file
-import common  # noqa: E402
-from common import DTYPE_BYTES, busbw_gbps, format_size, machine_info, parse_size  # noqa: E402
+from asyncreduce.argtypes import positive_float, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
+import harness  # noqa: E402
+from harness import DTYPE_BYTES, busbw_gbps, format_size, machine_info, parse_size  # noqa: E402
 
 __all__ = ["LIBS", "main", "parse_size", "format_size", "busbw_gbps"]
 
@@ -107,11 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         f"with --quick {QUICK_SIZES})",
     )
     parser.add_argument(
-        "--nprocs", type=common.nprocs_list, default=[2, 4], help="process counts (default 2,4)"
+        "--nprocs", type=harness.nprocs_list, default=[2, 4], help="process counts (default 2,4)"
     )
     parser.add_argument(
         "--libs",
-        type=common.lib_list(LIBS),
+        type=harness.lib_list(LIBS),
         default=list(LIBS),
         help=f"libraries to compare (default {','.join(LIBS)}); missing ones are skipped",
     )
@@ -126,28 +128,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--min-time",
-        type=common.positive_float,
+        type=positive_float,
         default=None,
         metavar="S",
         help=f"seconds of timed allreduces per point (default {DEFAULT_MIN_TIME})",
     )
     parser.add_argument(
         "--warmup",
-        type=common.positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help=f"untimed allreduces per point, at most (default {DEFAULT_WARMUP}; fewer when slow)",
     )
     parser.add_argument(
         "--repeats",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_REPEATS,
         metavar="R",
         help=f"timed repeats per point, the median is reported (default {DEFAULT_REPEATS})",
     )
     parser.add_argument(
         "--timeout",
-        type=common.positive_float,
+        type=positive_float,
         default=None,
         metavar="S",
         help="hard limit per (library, N) worker set (default: scaled to the sizes)",
@@ -366,7 +368,7 @@ def measure(
 def _worker_main(
     lib: str, settings: Settings, parent_pid: int | None, deadline: float | None
 ) -> int:
-    common.watchdog(parent_pid, deadline, _SAY)
+    harness.watchdog(parent_pid, deadline, _SAY)
     started = time.perf_counter()
     backend = _BACKENDS[lib]()
 
@@ -432,12 +434,12 @@ def _allowance(nbytes: int, nprocs: int, settings: Settings) -> float:
 
 
 def _run_set(
-    lib: str, nprocs: int, settings: Settings, run: Run, progress: common.Progress
+    lib: str, nprocs: int, settings: Settings, run: Run, progress: harness.Progress
 ) -> None:
     allowances = [_allowance(s, nprocs, settings) for s in settings.sizes]
     sizes = ",".join(str(s) for s in settings.sizes)
-    limit = settings.timeout or (common.STARTUP_S + sum(allowances))
-    spec = common.SetSpec(
+    limit = settings.timeout or (harness.STARTUP_S + sum(allowances))
+    spec = harness.SetSpec(
         Path(__file__), lib, nprocs, {}, limit_s=limit, step_s=max(allowances),
         worker_args=(
             "--sizes", sizes, "--min-time", repr(settings.min_time), "--warmup",
@@ -449,7 +451,7 @@ def _run_set(
         killed_first=True,
         limit_note=" (--timeout)" if settings.timeout else "",
     )  # fmt: skip
-    tag = common.set_tag(spec)
+    tag = harness.set_tag(spec)
 
     def allow(message: dict[str, Any], allowance: float) -> float:
         if message.get("event") == "start":
@@ -478,7 +480,7 @@ def _run_set(
                 )
             )
 
-    common.drive_set(spec, run, progress, take, allow)
+    harness.drive_set(spec, run, progress, take, allow)
 
 
 # ---- the parent: report ---------------------------------------------------------------------
@@ -635,19 +637,19 @@ def write_json(
     path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
 ) -> None:
     document = {
-        **common.json_head("allreduce", argv, elapsed, machine, sys_argv=list(sys.argv)),
+        **harness.json_head("allreduce", argv, elapsed, machine, sys_argv=list(sys.argv)),
         "settings": asdict(run.settings),
         "skipped": run.skipped,
         "failures": run.failures,
         "set_seconds": run.set_seconds,
         "results": [asdict(r) for r in run.results],
     }
-    common.save_json(path, document)
+    harness.save_json(path, document)
 
 
 def plot(path: Path, run: Run) -> None:
     """Bus bandwidth against size (log x), one line per library, one panel per N."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     ns = run.settings.nprocs
     fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), sharey=True, squeeze=False)
     for ax, nprocs in zip(axes[0], ns, strict=True):
@@ -666,7 +668,7 @@ def plot(path: Path, run: Run) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("bus bandwidth (GB/s)")
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 def _parent_main(
@@ -674,8 +676,8 @@ def _parent_main(
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    common.skip_unavailable("allreduce", settings.libs, run.skipped)
-    progress = common.Progress()
+    harness.skip_unavailable("allreduce", settings.libs, run.skipped)
+    progress = harness.Progress()
     interrupted = False
     try:
         for nprocs in settings.nprocs:
@@ -688,7 +690,7 @@ def _parent_main(
     elapsed = time.monotonic() - started
     machine = machine_info()
     machine["memcpy_gbps"] = {str(n): memcpy_gbps(n) for n in settings.sizes if n >= 1 << 20}
-    return common.finish(
+    return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),
         plot_path if run.results else None, lambda path: plot(path, run),

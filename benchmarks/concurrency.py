@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The question: does running ten 8M-float allreduces (32 MiB each) concurrently, in ten threads
 or as ten outstanding requests, beat running them one after another, and how does each library
-fare? For every (library, N) one fresh set of N ranks (see ``common.py``) allocates ``tensors``
+fare? For every (library, N) one fresh set of N ranks (see ``harness``) allocates ``tensors``
 float32 buffers of ``elements`` each and times every variant of that library:
 
 * asyncreduce: ``sequential`` (``allreduce`` one after another); ``threads`` (ten threads, each
@@ -46,8 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py and allreduce.py
-import common  # noqa: E402
+from asyncreduce.argtypes import positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and allreduce.py
+import harness  # noqa: E402
 
 __all__ = ["main", "VARIANTS"]
 
@@ -98,17 +100,17 @@ def _count(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.base_parser(
+    parser = harness.base_parser(
         "concurrency",
         "Wall time of ten concurrent float32 allreduces (threads, outstanding requests) vs ten "
         "sequential ones: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py).",
-        common.LIBS,
+        harness.LIBS,
         DEFAULT_REPEATS,
         f"{QUICK_ELEMENTS >> 20}M elements per tensor, {QUICK_REPEATS} repeats",
     )
     parser.add_argument(
         "--tensors",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_TENSORS,
         help=f"allreduces per run (default {DEFAULT_TENSORS})",
     )
@@ -119,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         help="float32 elements per tensor, K/M suffixes (default 8M = 32 MiB)",
     )
     parser.add_argument(
-        "--warmup", type=common.positive_int, default=1, help="untimed runs first (default 1)"
+        "--warmup", type=positive_int, default=1, help="untimed runs first (default 1)"
     )
     return parser
 
@@ -139,19 +141,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
-    return common.bench_main(
+    return harness.bench_main(
         "concurrency", Path(__file__), argv, _parser(), _settings, _worker, _spec,
         report, summary, plot,
     )  # fmt: skip
 
 
-def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
+def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> harness.SetSpec:
     runs = s.warmup + s.repeats
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
     step = 60.0 + runs * s.tensors * s.elements * 4 * nprocs / slow_bytes_per_s
     variants = sum(1 for key in VARIANTS if key[0] == lib)
-    limit = timeout or common.STARTUP_S + variants * step
-    return common.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
+    limit = timeout or harness.STARTUP_S + variants * step
+    return harness.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
 
 
 # ---- the worker: one rank ------------------------------------------------------------------
@@ -187,7 +189,7 @@ class _Turns:
 class _Buffers:
     """The tensors of one rank, their fill values and the check of their sums."""
 
-    def __init__(self, rank: common.Rank, s: Settings) -> None:
+    def __init__(self, rank: harness.Rank, s: Settings) -> None:
         self.rank = rank
         if rank.lib == "gloo":
             torch: Any = rank.torch  # type: ignore[attr-defined]
@@ -308,7 +310,7 @@ def _mpi_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, An
 _STEPS = {"asyncreduce": _asyncreduce_steps, "gloo": _gloo_steps, "mpi": _mpi_steps}
 
 
-def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
+def _worker(rank: harness.Rank, settings: dict[str, Any], tell: harness.Tell) -> None:
     s = Settings(**settings)
     buffers = _Buffers(rank, s)
     with ThreadPoolExecutor(max_workers=s.tensors, thread_name_prefix="bench-thread") as pool:
@@ -321,11 +323,11 @@ def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> N
             tell("start", step=variant)
             buffers.use(variant)
             buffers.bad = 0
-            times = common.timed(
+            times = harness.timed(
                 rank, steps[variant], s.repeats, s.warmup, buffers.fill, buffers.check
             )
             bad = rank.max(float(buffers.bad))
-            tell("result", variant=variant, label=label, seconds=common.median(times),
+            tell("result", variant=variant, label=label, seconds=harness.median(times),
                  repeats_s=times, verified=bad == 0)  # fmt: skip
 
 
@@ -342,7 +344,7 @@ def _family(variant: str) -> str:
 
 
 def _best(
-    run: common.Run,
+    run: harness.Run,
     lib: str,
     nprocs: int,
     concurrent: bool | None = None,
@@ -363,7 +365,7 @@ def _families(lib: str) -> list[tuple[str, str, str]]:
     return [plain, (f"{lib} window", lib, _WINDOW)] if lib == "asyncreduce" else [plain]
 
 
-def summary(run: common.Run) -> dict[str, Any]:
+def summary(run: harness.Run) -> dict[str, Any]:
     """Per N: each library's best and sequential time, and the two ratios the report states."""
     out: dict[str, Any] = {}
     for nprocs in run.settings["nprocs"]:
@@ -392,7 +394,7 @@ def summary(run: common.Run) -> dict[str, Any]:
     return out
 
 
-def _table(run: common.Run, nprocs: int) -> str:
+def _table(run: harness.Run, nprocs: int) -> str:
     s = run.settings
     headers = ["library", "variant", "ms", "min-max ms", "bus GB/s", "vs seq", "check"]
     rows = []
@@ -405,25 +407,25 @@ def _table(run: common.Run, nprocs: int) -> str:
         r = found[0]
         seq = run.rows(lib=lib, nprocs=nprocs, variant=_family(variant) + "sequential")
         ratio = f"{seq[0]['seconds'] / r['seconds']:.2f}x" if seq else "-"
-        spread = "-".join(common.fmt_ms(f(r["repeats_s"])) for f in (min, max))
+        spread = "-".join(harness.fmt_ms(f(r["repeats_s"])) for f in (min, max))
         rows.append([
-            lib, label, common.fmt_ms(r["seconds"]), spread,
+            lib, label, harness.fmt_ms(r["seconds"]), spread,
             f"{_busbw(s, nprocs, r['seconds']):.2f}", ratio, "ok" if r["verified"] else "WRONG",
         ])  # fmt: skip
-    size = common.format_size(s["elements"] * 4)
+    size = harness.format_size(s["elements"] * 4)
     title = (
         f"N={nprocs}: {s['tensors']} allreduces of {s['elements']} float32 ({size}) each, sum in "
         f"place; wall time of all of them, median of {s['repeats']} after {s['warmup']} warm-up"
         "\nvs seq = sequential time / this time (above 1: faster than one after another); "
         "check = every rank held the right sums"
     )
-    return "\n".join([title, common.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
+    return "\n".join([title, harness.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
 
 
-def _verdicts(run: common.Run, nprocs: int) -> list[str]:
+def _verdicts(run: harness.Run, nprocs: int) -> list[str]:
     entry = summary(run).get(str(nprocs), {})
     lines = []
-    for key, lib, _ in (f for name in common.LIBS for f in _families(name)):
+    for key, lib, _ in (f for name in harness.LIBS for f in _families(name)):
         e = entry.get(key)
         if e and e["concurrent_vs_sequential"]:
             label = VARIANTS[(lib, e["best_concurrent_variant"])]
@@ -436,17 +438,17 @@ def _verdicts(run: common.Run, nprocs: int) -> list[str]:
         lines.append(
             f"our best / Gloo best: {entry['ours_best_over_gloo_best']:.2f}x the time "
             f"({VARIANTS[('asyncreduce', mine['best_variant'])]}, "
-            f"{common.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
-            f"{common.fmt_ms(gloo['best_s'])} ms)"
+            f"{harness.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
+            f"{harness.fmt_ms(gloo['best_s'])} ms)"
         )
     return lines
 
 
-def report(run: common.Run, machine: dict[str, Any]) -> str:
-    return common.report_per_n(run, machine, _table)
+def report(run: harness.Run, machine: dict[str, Any]) -> str:
+    return harness.report_per_n(run, machine, _table)
 
 
-def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
+def _bars(ax: Any, run: harness.Run, nprocs: int) -> None:
     """Bars grouped by library (a gap between groups), the sequential one paler."""
     colors = {"asyncreduce": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
     Patch: Any = importlib.import_module("matplotlib.patches").Patch
@@ -466,23 +468,23 @@ def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
         x += 1
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    patches = [Patch(color=colors[lib], label=lib) for lib in common.LIBS if lib in used]
+    patches = [Patch(color=colors[lib], label=lib) for lib in harness.LIBS if lib in used]
     ax.legend(handles=patches)
 
 
-def plot(path: Path, run: common.Run) -> None:
+def plot(path: Path, run: harness.Run) -> None:
     """One panel per N: wall time of every variant, grouped by library."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     s = run.settings
     ns = s["nprocs"]
     fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 5.5), squeeze=False)
     for ax, nprocs in zip(axes[0], ns, strict=True):
         _bars(ax, run, nprocs)
-        size = common.format_size(s["elements"] * 4)
+        size = harness.format_size(s["elements"] * 4)
         ax.set_title(f"{s['tensors']} allreduces of {size}, N={nprocs}")
         ax.set_ylabel("wall time of all of them (ms), lower is better")
         ax.grid(True, axis="y", alpha=0.3)
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

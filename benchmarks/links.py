@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncreduce.argtypes import positive_int
+
 __all__ = ["LIBS", "main"]
 
 LIBS = ("asyncreduce", "gloo", "mpi")
@@ -69,11 +71,11 @@ _STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _HERE = Path(__file__).resolve().parent
 
 
-sys.path.insert(0, str(_HERE))  # common.py, next to this file
-import common  # noqa: E402
+sys.path.insert(0, str(_HERE))  # the harness, next to this file
+import harness  # noqa: E402
 
-allreduce: Any = common.load_module("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
-cluster: Any = common.load_module(
+allreduce: Any = harness.load_module("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
+cluster: Any = harness.load_module(
     "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
 )
 
@@ -81,8 +83,8 @@ cluster: Any = common.load_module(
 # ---- command line ---------------------------------------------------------------------------
 
 
-_HOST_LIST = common.comma_list("host", common.host_count)
-_SIZE_LIST = common.comma_list("size", common.parse_size)
+_HOST_LIST = harness.comma_list("host", harness.host_count)
+_SIZE_LIST = harness.comma_list("size", harness.parse_size)
 
 
 def _lib(text: str) -> str:
@@ -100,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: asyncreduce bench links --quick --json results/links.json",
     )
     add = parser.add_argument
-    rates = common.comma_list("rate", common.checked(cluster.parse_rate))
+    rates = harness.comma_list("rate", harness.checked(cluster.parse_rate))
     add(
         "--hosts",
         type=_HOST_LIST,
@@ -121,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--libs",
-        type=common.comma_list("library", _lib),
+        type=harness.comma_list("library", _lib),
         default=list(LIBS),
         help=f"libraries (default {','.join(LIBS)}); missing ones are skipped",
     )
@@ -170,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--mtu",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_MTU,
         help=f"the links' MTU (default {DEFAULT_MTU}; 9000: jumbo frames, as 10 GbE clusters "
         "often use, where TCP payload is ~99%% of the rate instead of ~95%%)",
@@ -307,7 +309,7 @@ def _worker_argv(lib: str, settings: Settings, limit: float) -> list[str]:
 
 def _env(c: Any, lib: str, host: int) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    root = common.package_root()
+    root = harness.package_root()
     if root:  # the workers use the same asyncreduce as this process
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     if lib != "mpi":
@@ -331,7 +333,7 @@ def _run_set(c: Any, lib: str, settings: Settings, run: Run, rate: str) -> None:
     started = time.monotonic()
     try:
         if lib == "mpi":
-            mpi = common.cluster_mpirun(c, argv, common.MPI_FORWARD)
+            mpi = harness.cluster_mpirun(c, argv, harness.MPI_FORWARD)
             codes = c.run(mpi, lambda i: _env(c, lib, i), timeout=limit, on_line=lines, on=[0])
         else:
             codes = c.run(argv, lambda i: _env(c, lib, i), timeout=limit, on_line=lines)
@@ -360,7 +362,7 @@ def _check(codes: list[int], lines: _Lines) -> None:
 
 def _result(message: dict[str, Any], lib: str, hosts: int, rate: str, rate_bps: float) -> Result:
     nbytes = int(message["bytes"])
-    busbw = common.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
+    busbw = harness.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
     return Result(
         lib=lib,
         hosts=hosts,
@@ -430,7 +432,7 @@ def table(run: Run) -> str:
 
 
 def _row(run: Run, hosts: int, rate: str, nbytes: int, lib: str) -> list[str]:
-    head = [str(hosts), rate, common.format_size(nbytes), lib]
+    head = [str(hosts), rate, harness.format_size(nbytes), lib]
     found = [
         r for r in run.results if (r.hosts, r.rate, r.bytes, r.lib) == (hosts, rate, nbytes, lib)
     ]
@@ -487,7 +489,7 @@ def write_json(
     path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
 ) -> None:
     document = {
-        **common.json_head("links", argv, elapsed, machine),
+        **harness.json_head("links", argv, elapsed, machine),
         "links": {"shaping": "tc tbf on both ends of each host's veth", "mtu": run.settings.mtu},
         "settings": asdict(run.settings),
         "tcp_checks": run.tcp,
@@ -496,12 +498,12 @@ def write_json(
         "set_seconds": run.set_seconds,
         "results": [asdict(r) for r in run.results],
     }
-    common.save_json(path, document)
+    harness.save_json(path, document)
 
 
 def plot(path: Path, run: Run) -> None:
     """Grouped bars: share of the link per (hosts, rate, size), one bar per library."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     s = run.settings
     groups = [(k, r, b) for k in s.hosts for r in s.rates for b in s.sizes]
     libs = [lib for lib in LIBS if any(res.lib == lib for res in run.results)]
@@ -520,13 +522,13 @@ def plot(path: Path, run: Run) -> None:
             label = "one TCP stream" if g == 0 else None
             ax.hlines(tcp[(k, r)], g - 0.45, g + 0.45, colors="k", linestyles="dashed", label=label)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"K={k}\n{r}\n{common.format_size(b)}" for k, r, b in groups])
+    ax.set_xticklabels([f"K={k}\n{r}\n{harness.format_size(b)}" for k, r, b in groups])
     ax.set_ylabel("allreduce bus bandwidth, % of link rate")
     ax.set_ylim(0, 120)
     ax.set_title("allreduce across emulated hosts (tbf-shaped veth links)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper center", ncol=len(libs) + 1, fontsize="small")
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 def _parent_main(
@@ -534,7 +536,7 @@ def _parent_main(
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    common.skip_unavailable("links", settings.libs, run.skipped, common.cluster_unavailable)
+    harness.skip_unavailable("links", settings.libs, run.skipped, harness.cluster_unavailable)
     libs = [lib for lib in settings.libs if lib not in run.skipped]
     interrupted = False
     try:
@@ -545,8 +547,8 @@ def _parent_main(
         interrupted = True
         print(f"{_SAY}interrupted; partial results follow", file=sys.stderr)
     elapsed = time.monotonic() - started
-    machine = common.machine_info()
-    return common.finish(
+    machine = harness.machine_info()
+    return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),
         plot_path if run.results else None, lambda path: plot(path, run),

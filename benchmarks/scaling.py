@@ -24,14 +24,14 @@ it on one machine:
   and ``local``: the same training with no communication at all (what K hosts can do when
   nothing is shared, which also shows what sharing the 2 cores costs by itself).
 
-For every K the parent starts one set of K workers, one per host (``common.run_cluster_set``).
+For every K the parent starts one set of K workers, one per host (``harness.run_cluster_set``).
 Each joins asyncreduce and, for ``ddp``, a Gloo process group next to it (the one not in use
 stays idle), then runs every (model, method) in turn: build the model (same seed everywhere),
 wrap it, ``--warmup`` untimed iterations, then ``--iterations`` timed ones. The time is the
 slowest rank's, from the start of the first timed iteration to the end of the last
 ``step()``; gradients still in flight then (forward and double_buffer modes) are waited for
 afterwards, untimed, just as the warm-up's last ones are waited for inside the first timed
-iteration: a steady-state rate. Rank 0 reports JSON lines (``common.MARK``); the cluster is
+iteration: a steady-state rate. Rank 0 reports JSON lines (``harness.MARK``); the cluster is
 torn down after every K whatever happens.
 
 What the report shows per (model, method, K):
@@ -66,11 +66,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))  # common.py and scaling_models.py, next to this file
-import common  # noqa: E402
+from asyncreduce.argtypes import positive_float, positive_int
 
-cluster: Any = common.load_module(
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))  # the harness and scaling_models.py, next to this file
+import harness  # noqa: E402
+
+cluster: Any = harness.load_module(
     "asyncreduce_scripts.cluster", _HERE.parent / "scripts/cluster.py"
 )
 
@@ -159,17 +161,17 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
     """What is measured: hosts, models, methods, link rate and compute."""
     add = parser.add_argument
     add("--hosts", type=_hosts, default=None, help="host counts (default 1,2,4; quick 1,2)")
-    add("--models", type=common.lib_list(MODELS, "models"), default=list(MODELS),
+    add("--models", type=harness.lib_list(MODELS, "models"), default=list(MODELS),
         help=f"of {','.join(MODELS)} (default both)")  # fmt: skip
-    add("--methods", type=common.lib_list(METHODS, "methods"), default=list(METHODS),
+    add("--methods", type=harness.lib_list(METHODS, "methods"), default=list(METHODS),
         help=f"of {','.join(METHODS)} (default all)")  # fmt: skip
-    add("--rate", type=common.checked(cluster.parse_rate), default=None,
+    add("--rate", type=harness.checked(cluster.parse_rate), default=None,
         help=f"link rate (default {DEFAULT_RATE}; quick {QUICK_RATE})")  # fmt: skip
-    add("--ratio", type=common.positive_float, default=DEFAULT_RATIO,
+    add("--ratio", type=positive_float, default=DEFAULT_RATIO,
         help="blocking comm / compute at K=4: sets resnet50's compute (default 0.5)")  # fmt: skip
-    add("--compute", type=common.positive_float, default=None, metavar="S",
+    add("--compute", type=positive_float, default=None, metavar="S",
         help="resnet50's compute per iteration, s (default: from --rate and --ratio)")  # fmt: skip
-    add("--cnn-batch", type=common.positive_int, default=DEFAULT_CNN_BATCH, metavar="B",
+    add("--cnn-batch", type=positive_int, default=DEFAULT_CNN_BATCH, metavar="B",
         help=f"images per rank per cnn iteration (default {DEFAULT_CNN_BATCH})")  # fmt: skip
     add("--backend", choices=("native", "mpi"), default="native",
         help="mpi: one mpirun starts the ranks and every DataParallel mode runs twice, over "
@@ -179,9 +181,9 @@ def _workload_options(parser: argparse.ArgumentParser) -> None:
 def _run_options(parser: argparse.ArgumentParser) -> None:
     """How long and what to write."""
     add = parser.add_argument
-    add("--warmup", type=common.positive_int, default=None, metavar="W",
+    add("--warmup", type=positive_int, default=None, metavar="W",
         help=f"untimed iterations (default {DEFAULT_WARMUP}; quick {QUICK_WARMUP})")  # fmt: skip
-    add("--iterations", type=common.positive_int, default=None, metavar="N",
+    add("--iterations", type=positive_int, default=None, metavar="N",
         help=f"timed resnet50 iterations (default {DEFAULT_ITERATIONS}; quick "
         f"{QUICK_ITERATIONS}); the cnn runs {CNN_ITERATIONS}x as many")  # fmt: skip
     add("--tcp-seconds", type=float, default=None, metavar="S",
@@ -193,7 +195,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     add("--json", type=Path, metavar="PATH", help="write every result here")
     add("--plot", type=Path, metavar="PATH", help="PNG: scaling vs hosts (needs matplotlib)")
     add("--from-json", type=Path, metavar="PATH", help="run nothing: report a saved --json run")
-    add("--timeout", type=common.positive_float, default=None, metavar="S",
+    add("--timeout", type=positive_float, default=None, metavar="S",
         help="hard limit per worker set (default: scaled to the work)")  # fmt: skip
 
 
@@ -245,16 +247,16 @@ def _settings(args: argparse.Namespace) -> Settings:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = common.parse(_parser(), argv)
+    args = harness.parse(_parser(), argv)
     if isinstance(args, int):
         return args
     if args.worker:
-        return common.worker_main(args, _worker)
+        return harness.worker_main(args, _worker)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         print(f"{_SAY}--plot needs matplotlib (pip install 'asyncreduce[plot]')", file=sys.stderr)
         return 2
     if args.from_json is not None:
-        return common.replay(_benchmark(), args.from_json, args.plot)
+        return harness.replay(_benchmark(), args.from_json, args.plot)
     why = cluster.available()
     if why:
         print(f"{_SAY}cannot emulate hosts here: {why}", file=sys.stderr)
@@ -265,12 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- the worker: one rank in one host ------------------------------------------------------------
 
 
-def _join_gloo() -> common.Rank:
+def _join_gloo() -> harness.Rank:
     """Gloo (torch.distributed) with ``tcp://`` on host 0's address, for ddp."""
     for ours, mpi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")):
         if mpi in os.environ:  # started by mpirun (--backend mpi)
             os.environ[ours] = os.environ[mpi]
-    return common.GlooRank(init_method=f"tcp://{os.environ['MASTER_ADDR']}:{GLOO_PORT}")
+    return harness.GlooRank(init_method=f"tcp://{os.environ['MASTER_ADDR']}:{GLOO_PORT}")
 
 
 @dataclass
@@ -382,14 +384,14 @@ def _hidden(before: dict[str, float], after: dict[str, float], iterations: int) 
     }
 
 
-def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
+def _worker(rank: harness.Rank, settings: dict[str, Any], tell: harness.Tell) -> None:
     """Every (model, method) in turn, each on a fresh model: asyncreduce's methods (and local)
     over ``rank``, ddp over a Gloo process group joined next to it (idle while the other runs)."""
     import torch
 
     torch.set_num_threads(1)  # one rank per host, and the hosts share this machine's cores
     gloo = _join_gloo() if "ddp" in settings["methods"] else None
-    over_mpi = common.AsyncReduceRank("mpi") if settings.get("backend") == "mpi" else None
+    over_mpi = harness.AsyncReduceRank("mpi") if settings.get("backend") == "mpi" else None
     try:
         for model in settings["models"]:
             for method in settings["methods"]:
@@ -404,7 +406,7 @@ def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> N
 
 
 def _run_one(
-    rank: Any, model: str, method: str, settings: dict[str, Any], tell: common.Tell
+    rank: Any, model: str, method: str, settings: dict[str, Any], tell: harness.Tell
 ) -> None:
     """Build, warm up and time one (model, method); rank 0 reports the result."""
     tell("start", step=f"{model} {method}")
@@ -459,7 +461,7 @@ def _worker_argv(settings: Settings, limit: float) -> list[str]:
     ]  # fmt: skip
 
 
-def _run_set(c: Any, settings: Settings, run: common.Run, progress: Any) -> None:
+def _run_set(c: Any, settings: Settings, run: harness.Run, progress: Any) -> None:
     """The worker set of cluster ``c``; its results (or its failure) go to ``run``."""
     tag = f"[K={c.hosts}]"
     limit = _limit(settings, c.hosts)
@@ -475,18 +477,18 @@ def _run_set(c: Any, settings: Settings, run: common.Run, progress: Any) -> None
             run.results.append({"lib": lib, "hosts": c.hosts, "rate": settings.rate, **fields})
 
     def env(host: int) -> dict[str, str]:
-        return {**common.cluster_env(c, host, ASYNCREDUCE_PORT), "OMP_NUM_THREADS": "1"}
+        return {**harness.cluster_env(c, host, ASYNCREDUCE_PORT), "OMP_NUM_THREADS": "1"}
 
     argv, on = _worker_argv(settings, limit), None
     if settings.backend == "mpi":  # one mpirun in host 0 starts a rank in every host
         shared = {k: v for k, v in env(0).items() if k not in ("RANK", "ASYNCREDUCE_ADDR")}
-        argv, on = common.cluster_mpirun(c, argv, list(shared)), [0]
+        argv, on = harness.cluster_mpirun(c, argv, list(shared)), [0]
         env = lambda host: shared  # noqa: E731
     progress.show(f"{tag} starting {c.hosts} ranks (hard limit {limit:.0f} s) ...")
     started = time.monotonic()
     try:
-        common.run_cluster_set(c, argv, env, limit, take, on=on)
-    except (common.WorkerSetError, cluster.ClusterError) as exc:
+        harness.run_cluster_set(c, argv, env, limit, take, on=on)
+    except (harness.WorkerSetError, cluster.ClusterError) as exc:
         _failed(run, c.hosts, str(exc))
         progress.end(f"{tag} FAILED: {exc}")
         return
@@ -495,7 +497,7 @@ def _run_set(c: Any, settings: Settings, run: common.Run, progress: Any) -> None
     progress.end(f"{tag} done in {took:.1f} s")
 
 
-def _link_check(c: Any, settings: Settings, run: common.Run) -> None:
+def _link_check(c: Any, settings: Settings, run: harness.Run) -> None:
     if c.hosts < 2 or settings.tcp_seconds <= 0:
         return
     try:
@@ -509,7 +511,7 @@ def _link_check(c: Any, settings: Settings, run: common.Run) -> None:
     )
 
 
-def _run_hosts(hosts: int, settings: Settings, run: common.Run, progress: Any) -> None:
+def _run_hosts(hosts: int, settings: Settings, run: harness.Run, progress: Any) -> None:
     try:
         with cluster.Cluster(hosts, settings.rate) as c:
             _link_check(c, settings, run)
@@ -519,15 +521,15 @@ def _run_hosts(hosts: int, settings: Settings, run: common.Run, progress: Any) -
         progress.end(f"{_SAY}cluster of {hosts} failed: {exc}")
 
 
-def _failed(run: common.Run, hosts: int, error: str) -> None:
-    """Record a failed K (``lib`` and ``nprocs`` as ``common.preamble`` reports failures)."""
+def _failed(run: harness.Run, hosts: int, error: str) -> None:
+    """Record a failed K (``lib`` and ``nprocs`` as ``harness.preamble`` reports failures)."""
     run.failures.append({"lib": "all methods", "nprocs": hosts, "hosts": hosts, "error": error})
 
 
 def _parent(settings: Settings, argv: Sequence[str], args: argparse.Namespace) -> int:
     started, load_before = time.monotonic(), round(os.getloadavg()[0], 2)
-    run = common.Run("scaling", asdict(settings))
-    progress = common.Progress()
+    run = harness.Run("scaling", asdict(settings))
+    progress = harness.Progress()
     interrupted = False
     try:
         for hosts in settings.hosts:
@@ -536,26 +538,26 @@ def _parent(settings: Settings, argv: Sequence[str], args: argparse.Namespace) -
         interrupted = True
         progress.end(f"{_SAY}interrupted; partial results follow")
     elapsed = time.monotonic() - started
-    machine = {**common.machine_info(), "library": common.library_state()}
+    machine = {**harness.machine_info(), "library": harness.library_state()}
     machine["load_1min"] = {"before": load_before, "after": round(os.getloadavg()[0], 2)}
-    return common.finish(
+    return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
-        args.json, lambda path: common.write_json(path, run, machine, argv, elapsed, summary(run)),
+        args.json, lambda path: harness.write_json(path, run, machine, argv, elapsed, summary(run)),
         args.plot if run.results else None, lambda path: plot(path, run),
     )  # fmt: skip
 
 
-def _benchmark() -> common.Benchmark:
-    def no_spec(lib: str, n: int) -> common.SetSpec:
+def _benchmark() -> harness.Benchmark:
+    def no_spec(lib: str, n: int) -> harness.SetSpec:
         raise NotImplementedError("the scaling benchmark runs its sets in a cluster")
 
-    return common.Benchmark("scaling", Path(__file__), no_spec, report, summary, plot)
+    return harness.Benchmark("scaling", Path(__file__), no_spec, report, summary, plot)
 
 
 # ---- report --------------------------------------------------------------------------------------
 
 
-def derive(run: common.Run) -> list[dict[str, Any]]:
+def derive(run: harness.Run) -> list[dict[str, Any]]:
     """Each result with ``its`` (iterations per second), ``mean_iteration_s``, ``scaling`` (vs
     the same method on 1 host), ``vs_local`` (vs no communication at the same K) and, for
     resnet50, ``ideal`` (``ideal_scaling``); None where unknown."""
@@ -593,7 +595,7 @@ def ideal_scaling(settings: dict[str, Any], method: str, hosts: int) -> float:
     return compute / scaling_models.ideal_period(method, compute, per_byte)
 
 
-def summary(run: common.Run) -> dict[str, Any]:
+def summary(run: harness.Run) -> dict[str, Any]:
     """``{model: {method: {K: scaling}}}``, and the measured blocking comm / compute ratio."""
     out: dict[str, Any] = {}
     for r in derive(run):
@@ -641,7 +643,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             _seconds(None if alone else r.get("comm_s")),
             _seconds(r.get("late_s")),
         ])  # fmt: skip
-    return common.render_table(headers, cells, left=1)
+    return harness.render_table(headers, cells, left=1)
 
 
 def _seconds(value: float | None) -> str:
@@ -703,9 +705,9 @@ def _row_order(row: dict[str, Any]) -> tuple[int, str, int]:
     return METHODS.index(base), over, row["hosts"]
 
 
-def report(run: common.Run, machine: dict[str, Any]) -> str:
+def report(run: harness.Run, machine: dict[str, Any]) -> str:
     s = run.settings
-    lines = common.preamble(run, machine) + _link_lines(s)
+    lines = harness.preamble(run, machine) + _link_lines(s)
     rows = derive(run)
     for model in s["models"]:
         mine = [r for r in rows if r["model"] == model]
@@ -716,10 +718,10 @@ def report(run: common.Run, machine: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: Path, run: common.Run) -> None:
+def plot(path: Path, run: harness.Run) -> None:
     """Scaling efficiency vs hosts, one panel per model, one line per method; for resnet50
     also the ideal blocking curve, and the issue's 95% target."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     rows = derive(run)
     models = [m for m in run.settings["models"] if any(r["model"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
@@ -731,7 +733,7 @@ def plot(path: Path, run: common.Run) -> None:
         f"iteration(s) (cnn {CNN_ITERATIONS}x); resnet50 compute {s['compute_s']:.2f} s/iteration",
         fontsize="medium",
     )
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 def _plot_panel(ax: Any, model: str, rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:

@@ -67,7 +67,6 @@ DEFAULT_TCP_S, QUICK_TCP_S = 1.0, 0.5
 MASTER_PORT = 29500
 DEFAULT_MTU = 1500
 _SAY = "links bench: "
-_STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _HERE = Path(__file__).resolve().parent
 
 
@@ -290,7 +289,7 @@ class _Lines:
 
 def _limit(settings: Settings, hosts: int, rate_bps: float) -> float:
     """Seconds a set may take: start-up, then ~10x the ideal time of every allreduce."""
-    total = _STARTUP_S
+    total = harness.STARTUP_S
     for nbytes in settings.sizes:
         ideal = nbytes * 2 * (hosts - 1) / hosts * 8 / rate_bps
         total += 30 + 2 * settings.min_time + 10 * (settings.warmup + settings.repeats + 2) * ideal

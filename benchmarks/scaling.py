@@ -95,7 +95,6 @@ ASYNCREDUCE_PORT, GLOO_PORT = 29500, 29600  # rank 0's stores (the hosts are pri
 LR = 0.01
 TARGET = 0.95  # the issue's target for forward mode
 SEED = {"blocking": 0.6672, "forward": 0.924}  # ResNet-50, 16 nodes, 10 GbE
-_STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _SET_UP_S = 30.0  # per (model, method): wrapping broadcasts the parameters, DDP too
 _SAY = "scaling bench: "
 
@@ -442,7 +441,7 @@ def _expected_iteration_s(settings: Settings, model: str, hosts: int) -> float:
 
 def _limit(settings: Settings, hosts: int) -> float:
     """Seconds one set may take: start-up, then ~3x the expected time of every method."""
-    total = _STARTUP_S
+    total = harness.STARTUP_S
     for model in settings.models:
         n = settings.warmup + settings.iterations * (CNN_ITERATIONS if model == "cnn" else 1)
         per = _expected_iteration_s(settings, model, hosts)

@@ -46,7 +46,14 @@ from .cluster import (
     run_cluster_set,
     run_set_in_cluster,
 )
-from .machine import cpu_model, library_state, machine_info, machine_line, package_root
+from .machine import (
+    cpu_model,
+    library_state,
+    load_1min,
+    machine_info,
+    machine_line,
+    package_root,
+)
 from .main import Benchmark, SetRunner, bench_main, finish, parent_main, replay, skip_unavailable
 from .ranks import (
     MARK,
@@ -125,6 +132,7 @@ __all__ = [
     "json_head",
     "lib_list",
     "library_state",
+    "load_1min",
     "load_module",
     "machine_info",
     "machine_line",

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The question: does running ten 8M-float allreduces (32 MiB each) concurrently, in ten threads
 or as ten outstanding requests, beat running them one after another, and how does each library
-fare? For every (library, N) one fresh set of N ranks (see ``common.py``) allocates ``tensors``
+fare? For every (library, N) one fresh set of N ranks (see ``harness``) allocates ``tensors``
 float32 buffers of ``elements`` each and times every variant of that library:
 
 * asyncreduce: ``sequential`` (``allreduce`` one after another); ``threads`` (ten threads, each
@@ -29,25 +29,27 @@ every run the buffers are checked against the expected sums (a sample of element
 variant that paired the wrong tensors across ranks is caught, not timed. "bus GB/s" is
 ``tensors * bytes * 2 (N-1) / N / time``.
 
+One rank (the variants, the buffers and their check) is ``concurrency_rank.py``.
+
 Run it as ``asyncreduce bench concurrency [options]`` or ``python benchmarks/concurrency.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import re
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py and allreduce.py
-import common  # noqa: E402
+from asyncreduce.argtypes import positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and allreduce.py
+import harness  # noqa: E402
+from concurrency_rank import VARIANTS, WINDOW, Settings, variant_family, worker  # noqa: E402
 
 __all__ = ["main", "VARIANTS"]
 
@@ -56,37 +58,6 @@ DEFAULT_ELEMENTS = 8 << 20  # 8M float32 = 32 MiB
 QUICK_ELEMENTS = 1 << 20
 DEFAULT_REPEATS = 3
 QUICK_REPEATS = 2
-_WINDOW = "window-"  # the prefix of the variants on shared windows
-_SAMPLE = 4099  # check every 4099th element (a prime: touches every page of the buffer)
-
-#: (library, variant) -> the label in tables and plots; the order is the table's.
-VARIANTS: dict[tuple[str, str], str] = {
-    ("asyncreduce", "sequential"): "sequential: allreduce x10",
-    ("asyncreduce", "threads"): "10 threads, 1 named allreduce each",
-    ("asyncreduce", "requests"): "1 thread: iallreduce x10 + wait_all",
-    ("asyncreduce", "window-sequential"): "shared_empty buffers, sequential",
-    ("asyncreduce", "window-threads"): "shared_empty buffers, 10 threads",
-    ("asyncreduce", "window-requests"): "shared_empty buffers, iallreduce x10",
-    ("gloo", "sequential"): "sequential: all_reduce x10",
-    ("gloo", "threads"): "10 threads, 10 process groups",
-    ("gloo", "pool2"): "10 threads, pool of 2 groups",
-    ("gloo", "pool4"): "10 threads, pool of 4 groups",
-    ("gloo", "async"): "1 thread: async_op=True x10 + wait",
-    ("mpi", "sequential"): "sequential: Allreduce x10",
-    ("mpi", "requests"): "1 thread: Iallreduce x10 + Waitall",
-    ("mpi", "threads"): "10 threads, 10 Dup'd communicators",
-}
-
-
-@dataclass(frozen=True)
-class Settings:
-    nprocs: list[int]
-    libs: list[str]
-    tensors: int
-    elements: int
-    repeats: int
-    warmup: int
-    quick: bool
 
 
 def _count(text: str) -> int:
@@ -98,17 +69,17 @@ def _count(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.base_parser(
+    parser = harness.base_parser(
         "concurrency",
         "Wall time of ten concurrent float32 allreduces (threads, outstanding requests) vs ten "
         "sequential ones: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py).",
-        common.LIBS,
+        harness.LIBS,
         DEFAULT_REPEATS,
         f"{QUICK_ELEMENTS >> 20}M elements per tensor, {QUICK_REPEATS} repeats",
     )
     parser.add_argument(
         "--tensors",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_TENSORS,
         help=f"allreduces per run (default {DEFAULT_TENSORS})",
     )
@@ -119,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         help="float32 elements per tensor, K/M suffixes (default 8M = 32 MiB)",
     )
     parser.add_argument(
-        "--warmup", type=common.positive_int, default=1, help="untimed runs first (default 1)"
+        "--warmup", type=positive_int, default=1, help="untimed runs first (default 1)"
     )
     return parser
 
@@ -139,194 +110,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
-    return common.bench_main(
-        "concurrency", Path(__file__), argv, _parser(), _settings, _worker, _spec,
+    return harness.bench_main(
+        "concurrency", Path(__file__), argv, _parser(), _settings, worker, _spec,
         report, summary, plot,
     )  # fmt: skip
 
 
-def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
+def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> harness.SetSpec:
     runs = s.warmup + s.repeats
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
     step = 60.0 + runs * s.tensors * s.elements * 4 * nprocs / slow_bytes_per_s
     variants = sum(1 for key in VARIANTS if key[0] == lib)
-    limit = timeout or common.STARTUP_S + variants * step
-    return common.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
-
-
-# ---- the worker: one rank ------------------------------------------------------------------
-
-
-class _Turns:
-    """Thread i may use group i mod P only after thread i-P is done with it.
-
-    Collectives on one Gloo process group must be issued in the same order on every rank; a
-    first-come pool would let threads race for a group differently on each rank.
-    """
-
-    def __init__(self, groups: int) -> None:
-        self._cond = threading.Condition()
-        self._next = [0] * groups
-
-    def reset(self) -> None:
-        with self._cond:
-            self._next = [0] * len(self._next)
-
-    @contextlib.contextmanager
-    def turn(self, group: int, ticket: int) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._next[group] == ticket)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._next[group] += 1
-                self._cond.notify_all()
-
-
-class _Buffers:
-    """The tensors of one rank, their fill values and the check of their sums."""
-
-    def __init__(self, rank: common.Rank, s: Settings) -> None:
-        self.rank = rank
-        if rank.lib == "gloo":
-            torch: Any = rank.torch  # type: ignore[attr-defined]
-            self.x: list[Any] = [
-                torch.empty(s.elements, dtype=torch.float32) for _ in range(s.tensors)
-            ]
-        else:
-            np: Any = __import__("numpy")
-            self.x = [np.empty(s.elements, dtype=np.float32) for _ in range(s.tensors)]
-        self._sets = {"": self.x}  # variant family -> its buffers
-        self._settings = s
-        self.bad = 0
-
-    def use(self, variant: str) -> None:
-        """The buffers the variant runs on (the steps read ``self.x`` at each call); the
-        shared windows of the window-* variants are made when the first of them runs
-        (collective: every rank runs the variants in the same order)."""
-        family = _family(variant)
-        if family not in self._sets:
-            comm, s = self.rank.comm, self._settings  # type: ignore[attr-defined]
-            np: Any = __import__("numpy")
-            self._sets[family] = [
-                comm.shared_empty(s.elements, np.float32) for _ in range(s.tensors)
-            ]
-        self.x = self._sets[family]
-
-    def fill(self) -> None:
-        for i, x in enumerate(self.x):
-            x[:] = self.rank.rank + 1 + i
-
-    def check(self) -> None:
-        n = self.rank.size
-        for i, x in enumerate(self.x):
-            expected = n * (n + 1) // 2 + n * i
-            if not bool((x[::_SAMPLE] == expected).all()):
-                self.bad += 1
-
-
-def _asyncreduce_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
-    comm, ar = rank.comm, rank.ar
-    names = [f"concurrency.{i}" for i in range(len(b.x))]
-
-    def one(i: int) -> None:
-        comm.allreduce(b.x[i], name=names[i])
-
-    def sequential() -> None:
-        for i in range(len(b.x)):
-            one(i)
-
-    def requests() -> None:
-        ar.wait_all([comm.iallreduce(x, name=name) for x, name in zip(b.x, names, strict=True)])
-
-    def threads() -> None:
-        list(pool.map(one, range(len(b.x))))
-
-    plain = {"sequential": sequential, "threads": threads, "requests": requests}
-    return {**plain, **{_WINDOW + k: step for k, step in plain.items()}}
-
-
-def _gloo_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
-    dist = rank.dist
-    groups = [dist.new_group(backend="gloo") for _ in b.x]  # every rank, same order
-
-    def sequential() -> None:
-        for x in b.x:
-            dist.all_reduce(x)
-
-    def own_group(i: int) -> None:
-        dist.all_reduce(b.x[i], group=groups[i])
-
-    def pooled(size: int) -> Callable[[], None]:
-        turns = _Turns(size)
-
-        def one(i: int) -> None:
-            with turns.turn(i % size, i // size):
-                dist.all_reduce(b.x[i], group=groups[i % size])
-
-        def step() -> None:
-            turns.reset()
-            list(pool.map(one, range(len(b.x))))
-
-        return step
-
-    def async_ops() -> None:
-        for work in [dist.all_reduce(x, async_op=True) for x in b.x]:
-            work.wait()
-
-    return {
-        "sequential": sequential,
-        "threads": lambda: list(pool.map(own_group, range(len(b.x)))),
-        "pool2": pooled(2),
-        "pool4": pooled(4),
-        "async": async_ops,
-    }
-
-
-def _mpi_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, Any]:
-    mpi, comm = rank.MPI, rank.comm
-
-    def sequential() -> None:
-        for x in b.x:
-            comm.Allreduce(mpi.IN_PLACE, x, op=mpi.SUM)
-
-    def requests() -> None:
-        mpi.Request.Waitall([comm.Iallreduce(mpi.IN_PLACE, x, op=mpi.SUM) for x in b.x])
-
-    steps: dict[str, Any] = {"sequential": sequential, "requests": requests}
-    if rank.thread_multiple:
-        comms = [comm.Dup() for _ in b.x]  # one communicator per thread: no ordering to keep
-
-        def own_comm(i: int) -> None:
-            comms[i].Allreduce(mpi.IN_PLACE, b.x[i], op=mpi.SUM)
-
-        steps["threads"] = lambda: list(pool.map(own_comm, range(len(b.x))))
-    return steps
-
-
-_STEPS = {"asyncreduce": _asyncreduce_steps, "gloo": _gloo_steps, "mpi": _mpi_steps}
-
-
-def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
-    s = Settings(**settings)
-    buffers = _Buffers(rank, s)
-    with ThreadPoolExecutor(max_workers=s.tensors, thread_name_prefix="bench-thread") as pool:
-        steps = _STEPS[rank.lib](rank, buffers, pool)
-        if rank.lib == "mpi" and "threads" not in steps:
-            tell("note", text="MPI_THREAD_MULTIPLE not granted: the threads variant is skipped")
-        for (lib, variant), label in VARIANTS.items():
-            if lib != rank.lib or variant not in steps:
-                continue
-            tell("start", step=variant)
-            buffers.use(variant)
-            buffers.bad = 0
-            times = common.timed(
-                rank, steps[variant], s.repeats, s.warmup, buffers.fill, buffers.check
-            )
-            bad = rank.max(float(buffers.bad))
-            tell("result", variant=variant, label=label, seconds=common.median(times),
-                 repeats_s=times, verified=bad == 0)  # fmt: skip
+    limit = timeout or harness.STARTUP_S + variants * step
+    return harness.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
 
 
 # ---- the parent: report ---------------------------------------------------------------------
@@ -337,12 +133,8 @@ def _busbw(s: dict[str, Any], nprocs: int, seconds: float) -> float:
     return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
 
 
-def _family(variant: str) -> str:
-    return _WINDOW if variant.startswith(_WINDOW) else ""
-
-
 def _best(
-    run: common.Run,
+    run: harness.Run,
     lib: str,
     nprocs: int,
     concurrent: bool | None = None,
@@ -352,7 +144,7 @@ def _best(
         r
         for r in run.rows(lib=lib, nprocs=nprocs)
         if (concurrent is None or (not r["variant"].endswith("sequential")) == concurrent)
-        and (family is None or _family(r["variant"]) == family)
+        and (family is None or variant_family(r["variant"]) == family)
     ]
     return min(rows, key=lambda r: r["seconds"]) if rows else None
 
@@ -360,10 +152,10 @@ def _best(
 def _families(lib: str) -> list[tuple[str, str, str]]:
     """(key in the summary, library, variant prefix) of each family of ``lib``'s variants."""
     plain = (lib, lib, "")
-    return [plain, (f"{lib} window", lib, _WINDOW)] if lib == "asyncreduce" else [plain]
+    return [plain, (f"{lib} window", lib, WINDOW)] if lib == "asyncreduce" else [plain]
 
 
-def summary(run: common.Run) -> dict[str, Any]:
+def summary(run: harness.Run) -> dict[str, Any]:
     """Per N: each library's best and sequential time, and the two ratios the report states."""
     out: dict[str, Any] = {}
     for nprocs in run.settings["nprocs"]:
@@ -392,7 +184,7 @@ def summary(run: common.Run) -> dict[str, Any]:
     return out
 
 
-def _table(run: common.Run, nprocs: int) -> str:
+def _table(run: harness.Run, nprocs: int) -> str:
     s = run.settings
     headers = ["library", "variant", "ms", "min-max ms", "bus GB/s", "vs seq", "check"]
     rows = []
@@ -403,27 +195,27 @@ def _table(run: common.Run, nprocs: int) -> str:
                 rows.append([lib, label, "fail", "-", "-", "-", "-"])
             continue
         r = found[0]
-        seq = run.rows(lib=lib, nprocs=nprocs, variant=_family(variant) + "sequential")
+        seq = run.rows(lib=lib, nprocs=nprocs, variant=variant_family(variant) + "sequential")
         ratio = f"{seq[0]['seconds'] / r['seconds']:.2f}x" if seq else "-"
-        spread = "-".join(common.fmt_ms(f(r["repeats_s"])) for f in (min, max))
+        spread = "-".join(harness.fmt_ms(f(r["repeats_s"])) for f in (min, max))
         rows.append([
-            lib, label, common.fmt_ms(r["seconds"]), spread,
+            lib, label, harness.fmt_ms(r["seconds"]), spread,
             f"{_busbw(s, nprocs, r['seconds']):.2f}", ratio, "ok" if r["verified"] else "WRONG",
         ])  # fmt: skip
-    size = common.format_size(s["elements"] * 4)
+    size = harness.format_size(s["elements"] * 4)
     title = (
         f"N={nprocs}: {s['tensors']} allreduces of {s['elements']} float32 ({size}) each, sum in "
         f"place; wall time of all of them, median of {s['repeats']} after {s['warmup']} warm-up"
         "\nvs seq = sequential time / this time (above 1: faster than one after another); "
         "check = every rank held the right sums"
     )
-    return "\n".join([title, common.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
+    return "\n".join([title, harness.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
 
 
-def _verdicts(run: common.Run, nprocs: int) -> list[str]:
+def _verdicts(run: harness.Run, nprocs: int) -> list[str]:
     entry = summary(run).get(str(nprocs), {})
     lines = []
-    for key, lib, _ in (f for name in common.LIBS for f in _families(name)):
+    for key, lib, _ in (f for name in harness.LIBS for f in _families(name)):
         e = entry.get(key)
         if e and e["concurrent_vs_sequential"]:
             label = VARIANTS[(lib, e["best_concurrent_variant"])]
@@ -436,17 +228,17 @@ def _verdicts(run: common.Run, nprocs: int) -> list[str]:
         lines.append(
             f"our best / Gloo best: {entry['ours_best_over_gloo_best']:.2f}x the time "
             f"({VARIANTS[('asyncreduce', mine['best_variant'])]}, "
-            f"{common.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
-            f"{common.fmt_ms(gloo['best_s'])} ms)"
+            f"{harness.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
+            f"{harness.fmt_ms(gloo['best_s'])} ms)"
         )
     return lines
 
 
-def report(run: common.Run, machine: dict[str, Any]) -> str:
-    return common.report_per_n(run, machine, _table)
+def report(run: harness.Run, machine: dict[str, Any]) -> str:
+    return harness.report_per_n(run, machine, _table)
 
 
-def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
+def _bars(ax: Any, run: harness.Run, nprocs: int) -> None:
     """Bars grouped by library (a gap between groups), the sequential one paler."""
     colors = {"asyncreduce": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
     Patch: Any = importlib.import_module("matplotlib.patches").Patch
@@ -466,23 +258,23 @@ def _bars(ax: Any, run: common.Run, nprocs: int) -> None:
         x += 1
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    patches = [Patch(color=colors[lib], label=lib) for lib in common.LIBS if lib in used]
+    patches = [Patch(color=colors[lib], label=lib) for lib in harness.LIBS if lib in used]
     ax.legend(handles=patches)
 
 
-def plot(path: Path, run: common.Run) -> None:
+def plot(path: Path, run: harness.Run) -> None:
     """One panel per N: wall time of every variant, grouped by library."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     s = run.settings
     ns = s["nprocs"]
     fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 5.5), squeeze=False)
     for ax, nprocs in zip(axes[0], ns, strict=True):
         _bars(ax, run, nprocs)
-        size = common.format_size(s["elements"] * 4)
+        size = harness.format_size(s["elements"] * 4)
         ax.set_title(f"{s['tensors']} allreduces of {size}, N={nprocs}")
         ax.set_ylabel("wall time of all of them (ms), lower is better")
         ax.grid(True, axis="y", alpha=0.3)
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 ROOT = _HERE.parent
+sys.path.insert(0, str(_HERE))  # the harness, next to this file
+import harness  # noqa: E402
+
 MARK = "DDP-BENCH "
 VARIANTS = ("gloo", "asyncreduce", "no comm")
 
@@ -168,8 +171,9 @@ def _one_host(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
 
 
 def _hosts(args: argparse.Namespace, hosts: int, rate: str) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import cluster
+    cluster: Any = harness.load_module(
+        "asyncreduce_scripts.cluster", ROOT / "scripts" / "cluster.py"
+    )
 
     lines: list[str] = []
     with cluster.Cluster(hosts=hosts, rate=rate) as c:
@@ -217,11 +221,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _plot(path: str, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     labels = [f"{r['setting']}\n{r['ranks']} ranks" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     xs = range(len(rows))
@@ -233,8 +233,7 @@ def _plot(path: str, rows: list[dict[str, Any]]) -> None:
     ax.set_ylabel("exposed communication per step (ms)")
     ax.set_title("What DDP cannot hide: step time minus the step without communication")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_figure(plt, fig, Path(path))
 
 
 def _parser() -> argparse.ArgumentParser:

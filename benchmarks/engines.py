@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from asyncreduce.launch import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
+import harness  # noqa: E402
 
 __all__ = ["main"]
 
@@ -125,7 +129,7 @@ def _worker(args: argparse.Namespace) -> int:
     os.environ["ASYNCREDUCE_CONTROL"] = "native"
     ours_nc = ar.init(backend="mpi")
     del os.environ["ASYNCREDUCE_CONTROL"]
-    port = world.bcast(_free_port() if rank == 0 else None)
+    port = world.bcast(free_port() if rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     over_gloo = ar.init(backend="torch")
 
@@ -265,12 +269,6 @@ def _wait(req: Any) -> None:
     req.Wait() if hasattr(req, "Wait") else req.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- the report --------------------------------------------------------------------------
 
 
@@ -305,23 +303,12 @@ def _report(n: int, r: dict[str, Any]) -> None:
 
 
 def _machine() -> str:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{harness.cpu_model() or 'unknown'}, {os.cpu_count()} cores"
 
 
 def _plot(results: dict[int, Any], path: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = harness.pyplot()
     except ImportError:
         print("--plot needs matplotlib (pip install 'asyncreduce[plot]')", file=sys.stderr)
         return

@@ -31,6 +31,8 @@ Bus bandwidth is ``bytes * 2 (K-1) / K / time``: what each host's link carries e
 ring allreduce, so ``busbw / rate`` is the share of the link the library turns into
 allreduce throughput (at most ~0.95, the TCP payload share).
 
+What a run holds and its table, JSON and plot are ``links_report.py``.
+
 Needs root, ``ip`` and ``tc`` (iproute2). Run it as ``asyncreduce bench links [options]`` or
 ``python benchmarks/links.py``.
 """
@@ -43,18 +45,17 @@ import importlib
 import importlib.util
 import json
 import os
-import platform
 import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncreduce.argtypes import positive_int
+
 __all__ = ["LIBS", "main"]
 
-LIBS = ("asyncreduce", "gloo", "mpi")
 DEFAULT_RATES = "1gbit,10gbit"
 DEFAULT_HOSTS = "2,4"
 DEFAULT_SIZES = "32M"
@@ -65,15 +66,15 @@ DEFAULT_TCP_S, QUICK_TCP_S = 1.0, 0.5
 MASTER_PORT = 29500
 DEFAULT_MTU = 1500
 _SAY = "links bench: "
-_STARTUP_S = 90.0  # importing torch on a busy 2-core machine is slow
 _HERE = Path(__file__).resolve().parent
 
 
-sys.path.insert(0, str(_HERE))  # common.py, next to this file
-import common  # noqa: E402
+sys.path.insert(0, str(_HERE))  # the harness, next to this file
+import harness  # noqa: E402
+from links_report import LIBS, Result, Run, Settings, plot, report, write_json  # noqa: E402
 
-allreduce: Any = common.load_module("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
-cluster: Any = common.load_module(
+allreduce: Any = harness.load_module("asyncreduce_benchmarks.allreduce", _HERE / "allreduce.py")
+cluster: Any = harness.load_module(
     "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
 )
 
@@ -81,8 +82,8 @@ cluster: Any = common.load_module(
 # ---- command line ---------------------------------------------------------------------------
 
 
-_HOST_LIST = common.comma_list("host", common.host_count)
-_SIZE_LIST = common.comma_list("size", common.parse_size)
+_HOST_LIST = harness.comma_list("host", harness.host_count)
+_SIZE_LIST = harness.comma_list("size", harness.parse_size)
 
 
 def _lib(text: str) -> str:
@@ -100,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: asyncreduce bench links --quick --json results/links.json",
     )
     add = parser.add_argument
-    rates = common.comma_list("rate", common.checked(cluster.parse_rate))
+    rates = harness.comma_list("rate", harness.checked(cluster.parse_rate))
     add(
         "--hosts",
         type=_HOST_LIST,
@@ -121,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--libs",
-        type=common.comma_list("library", _lib),
+        type=harness.comma_list("library", _lib),
         default=list(LIBS),
         help=f"libraries (default {','.join(LIBS)}); missing ones are skipped",
     )
@@ -170,27 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--mtu",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_MTU,
         help=f"the links' MTU (default {DEFAULT_MTU}; 9000: jumbo frames, as 10 GbE clusters "
         "often use, where TCP payload is ~99%% of the rate instead of ~95%%)",
     )
     return parser  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Settings:
-    hosts: list[int]
-    rates: list[str]
-    sizes: list[int]
-    libs: list[str]
-    min_time: float
-    warmup: int
-    repeats: int
-    tcp_seconds: float
-    timeout: float | None
-    quick: bool
-    mtu: int = 1500
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -229,36 +215,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _parent_main(_settings(args), args.json, args.plot, argv)
 
 
-# ---- results --------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    lib: str
-    hosts: int
-    rate: str
-    rate_bps: float
-    bytes: int
-    latency_us: float
-    busbw_gbps: float  # GB/s
-    link_share: float  # busbw / rate
-    algorithm: str
-    min_us: float
-    repeats_us: list[float]
-    iters: int
-    warmup: int
-
-
-@dataclass
-class Run:
-    settings: Settings
-    results: list[Result] = field(default_factory=list)
-    tcp: list[dict[str, Any]] = field(default_factory=list)  # the link checks
-    skipped: dict[str, str] = field(default_factory=dict)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    set_seconds: dict[str, float] = field(default_factory=dict)
-
-
 class SetError(Exception):
     """A worker set failed, timed out or did not report."""
 
@@ -288,7 +244,7 @@ class _Lines:
 
 def _limit(settings: Settings, hosts: int, rate_bps: float) -> float:
     """Seconds a set may take: start-up, then ~10x the ideal time of every allreduce."""
-    total = _STARTUP_S
+    total = harness.STARTUP_S
     for nbytes in settings.sizes:
         ideal = nbytes * 2 * (hosts - 1) / hosts * 8 / rate_bps
         total += 30 + 2 * settings.min_time + 10 * (settings.warmup + settings.repeats + 2) * ideal
@@ -307,7 +263,7 @@ def _worker_argv(lib: str, settings: Settings, limit: float) -> list[str]:
 
 def _env(c: Any, lib: str, host: int) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    root = common.package_root()
+    root = harness.package_root()
     if root:  # the workers use the same asyncreduce as this process
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     if lib != "mpi":
@@ -331,7 +287,7 @@ def _run_set(c: Any, lib: str, settings: Settings, run: Run, rate: str) -> None:
     started = time.monotonic()
     try:
         if lib == "mpi":
-            mpi = common.cluster_mpirun(c, argv, common.MPI_FORWARD)
+            mpi = harness.cluster_mpirun(c, argv, harness.MPI_FORWARD)
             codes = c.run(mpi, lambda i: _env(c, lib, i), timeout=limit, on_line=lines, on=[0])
         else:
             codes = c.run(argv, lambda i: _env(c, lib, i), timeout=limit, on_line=lines)
@@ -360,7 +316,7 @@ def _check(codes: list[int], lines: _Lines) -> None:
 
 def _result(message: dict[str, Any], lib: str, hosts: int, rate: str, rate_bps: float) -> Result:
     nbytes = int(message["bytes"])
-    busbw = common.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
+    busbw = harness.busbw_gbps(nbytes, hosts, float(message["latency_us"]) / 1e6)
     return Result(
         lib=lib,
         hosts=hosts,
@@ -401,140 +357,12 @@ def _run_cluster(hosts: int, rate: str, libs: list[str], settings: Settings, run
         print(f"{_SAY}cluster of {hosts} at {rate} failed: {exc}", file=sys.stderr)
 
 
-# ---- report ---------------------------------------------------------------------------------
-
-
-def _render(headers: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < 4 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return [line(headers), *(line(r) for r in rows)]
-
-
-def table(run: Run) -> str:
-    """One row per (hosts, rate, size, library)."""
-    s = run.settings
-    headers = ["hosts", "link", "size", "lib", "ms/op", "busbw GB/s", "busbw Gbit/s", "of link"]
-    rows = []
-    for hosts in s.hosts:
-        for rate in s.rates:
-            for nbytes in s.sizes:
-                for lib in (lib for lib in LIBS if lib in s.libs and lib not in run.skipped):
-                    rows.append(_row(run, hosts, rate, nbytes, lib))
-    return "\n".join(_render(headers, rows))
-
-
-def _row(run: Run, hosts: int, rate: str, nbytes: int, lib: str) -> list[str]:
-    head = [str(hosts), rate, common.format_size(nbytes), lib]
-    found = [
-        r for r in run.results if (r.hosts, r.rate, r.bytes, r.lib) == (hosts, rate, nbytes, lib)
-    ]
-    if not found:
-        failed = any((f["lib"], f["hosts"], f["rate"]) == (lib, hosts, rate) for f in run.failures)
-        return head + ["fail" if failed else "-"] * 4
-    r = found[0]
-    return head + [
-        f"{r.latency_us / 1e3:.1f}",
-        f"{r.busbw_gbps:.3f}",
-        f"{r.busbw_gbps * 8:.3f}",
-        f"{r.link_share:.1%}",
-    ]
-
-
-def report(run: Run, machine: dict[str, Any]) -> str:
-    s = run.settings
-    lines = [_machine_line(machine)]
-    lines += [f"skipped {lib}: {why}" for lib, why in run.skipped.items()]
-    lines += [f"FAILED {f['lib']} K={f['hosts']} {f['rate']}: {f['error']}" for f in run.failures]
-    lines.append(
-        f"settings: min-time {s.min_time} s per point, {s.repeats} repeats (median), warm-up up "
-        f"to {s.warmup}{', quick' if s.quick else ''}; links: tbf both ways, MTU {s.mtu}"
-    )
-    for check in run.tcp:
-        lines.append(
-            f"link check K={check['hosts']} {check['rate']}: one TCP stream h0 -> h1 for "
-            f"{check['send_s']:g} s: {check['bits_per_s'] / 1e9:.3f} Gbit/s = "
-            f"{check['share']:.1%} of the rate"
-        )
-    lines += [
-        "",
-        "allreduce of float32 (sum, in place), one rank per emulated host; ms/op = median time;"
-        " busbw = bytes*2(K-1)/K/time; of link = busbw / link rate",
-        table(run),
-    ]
-    return "\n".join(lines)
-
-
-def _machine_line(machine: dict[str, Any]) -> str:
-    parts = [
-        f"{machine.get('cores')} cores ({machine.get('cpu') or '?'})",
-        f"Linux {platform.release()}",
-        f"Python {machine.get('python')}",
-        f"torch {machine.get('torch') or 'not installed'}",
-        f"mpi4py {machine.get('mpi4py') or 'not installed'}",
-        machine.get("open_mpi") or "Open MPI not found",
-        f"asyncreduce {machine.get('asyncreduce')}",
-    ]
-    return "machine: " + "; ".join(parts)
-
-
-def write_json(
-    path: Path, run: Run, machine: dict[str, Any], argv: Sequence[str], elapsed: float
-) -> None:
-    document = {
-        **common.json_head("links", argv, elapsed, machine),
-        "links": {"shaping": "tc tbf on both ends of each host's veth", "mtu": run.settings.mtu},
-        "settings": asdict(run.settings),
-        "tcp_checks": run.tcp,
-        "skipped": run.skipped,
-        "failures": run.failures,
-        "set_seconds": run.set_seconds,
-        "results": [asdict(r) for r in run.results],
-    }
-    common.save_json(path, document)
-
-
-def plot(path: Path, run: Run) -> None:
-    """Grouped bars: share of the link per (hosts, rate, size), one bar per library."""
-    plt = common.pyplot()
-    s = run.settings
-    groups = [(k, r, b) for k in s.hosts for r in s.rates for b in s.sizes]
-    libs = [lib for lib in LIBS if any(res.lib == lib for res in run.results)]
-    width = 0.8 / max(1, len(libs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
-    for n, lib in enumerate(libs):
-        shares = []
-        for k, r, b in groups:
-            found = [x for x in run.results if (x.lib, x.hosts, x.rate, x.bytes) == (lib, k, r, b)]
-            shares.append(100 * found[0].link_share if found else 0.0)
-        xs = [g + (n - (len(libs) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, shares, width, label=lib)
-    tcp = {(c["hosts"], c["rate"]): 100 * c["share"] for c in run.tcp}
-    for g, (k, r, _) in enumerate(groups):
-        if (k, r) in tcp:
-            label = "one TCP stream" if g == 0 else None
-            ax.hlines(tcp[(k, r)], g - 0.45, g + 0.45, colors="k", linestyles="dashed", label=label)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"K={k}\n{r}\n{common.format_size(b)}" for k, r, b in groups])
-    ax.set_ylabel("allreduce bus bandwidth, % of link rate")
-    ax.set_ylim(0, 120)
-    ax.set_title("allreduce across emulated hosts (tbf-shaped veth links)")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper center", ncol=len(libs) + 1, fontsize="small")
-    common.save_figure(plt, fig, path)
-
-
 def _parent_main(
     settings: Settings, json_path: Path | None, plot_path: Path | None, argv: Sequence[str]
 ) -> int:
     started = time.monotonic()
     run = Run(settings)
-    common.skip_unavailable("links", settings.libs, run.skipped, common.cluster_unavailable)
+    harness.skip_unavailable("links", settings.libs, run.skipped, harness.cluster_unavailable)
     libs = [lib for lib in settings.libs if lib not in run.skipped]
     interrupted = False
     try:
@@ -545,8 +373,8 @@ def _parent_main(
         interrupted = True
         print(f"{_SAY}interrupted; partial results follow", file=sys.stderr)
     elapsed = time.monotonic() - started
-    machine = common.machine_info()
-    return common.finish(
+    machine = harness.machine_info()
+    return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),
         plot_path if run.results else None, lambda path: plot(path, run),

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A user posts a non-blocking allreduce, computes, then waits: the allreduce is hidden to the
 degree that the whole takes less than computing and communicating one after the other. For
-every (library, N) one fresh set of N ranks (see ``common.py``) measures, on a float32 buffer
+every (library, N) one fresh set of N ranks (see ``harness``) measures, on a float32 buffer
 of ``--bytes`` (32 MiB by default, summed in place):
 
 * ``t_comm``: post, then wait at once (the allreduce alone);
@@ -56,14 +56,14 @@ it bounds Gloo alone.
 
 One host or emulated hosts
 --------------------------
-By default the N ranks of a set run on this host and meet over the loopback (``common.py``):
+By default the N ranks of a set run on this host and meet over the loopback (``harness``):
 there an allreduce is memory copies and reductions, CPU work that competes with the ranks'
 computations for the same cores. In training the allreduce mostly waits on a network link
 while the CPU is free, which is what ``--hosts K`` measures: for every K and every rate of
 ``--rate`` (default 1gbit) ``scripts/cluster.py`` builds K network namespaces on one switch,
 each behind a full-duplex link shaped by ``tc tbf`` (``--mtu``, default 1500), as
 ``links.py`` does, and every set runs there with one rank per host
-(``common.run_set_in_cluster``): asyncreduce and Gloo meet at host 0's address, Open MPI is
+(``harness.run_set_in_cluster``): asyncreduce and Gloo meet at host 0's address, Open MPI is
 one ``mpirun`` in host 0 over ``btl self,tcp`` on the cluster interface
 (``Cluster.mpirun_argv``). The workers, the calibration and the formula are the same; the
 cluster is torn down after each (K, rate), whatever happens. Needs root, ``ip`` and ``tc``;
@@ -73,6 +73,9 @@ Every result row records where it ran: ``hosts`` (1 on this host), ``rate`` and 
 (None on the loopback) and ``mtu``; the table's ``setting`` column says it too (``1 host``,
 ``2 hosts @ 1gbit``), and the summary is keyed by N on one host, ``"K hosts @ RATE"`` else.
 
+One rank (the calls, the calibration, the rounds) is ``overlap_rank.py``; the reference's
+sockets are ``rawtcp.py``.
+
 Run it as ``asyncreduce bench overlap [options]`` or ``python benchmarks/overlap.py``.
 """
 
@@ -80,22 +83,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from asyncreduce.argtypes import positive_int
 
 _HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))  # common.py, next to this file
-import common  # noqa: E402
-import rawtcp  # noqa: E402
+sys.path.insert(0, str(_HERE))  # the harness, next to this file
+import harness  # noqa: E402
+from overlap_rank import AR_MPI, TCP, Settings, connect, overlap, worker  # noqa: E402
 
-cluster: Any = common.load_module(
+cluster: Any = harness.load_module(
     "asyncreduce_scripts.cluster", _HERE.parent / "scripts" / "cluster.py"
 )
 
@@ -106,48 +107,16 @@ QUICK_BYTES = 4 << 20
 DEFAULT_REPEATS = 5
 QUICK_REPEATS = 3
 DEFAULT_MATRIX = 256
-_WARMUP_MATMULS = 20
-_PROBE_MATMULS = 5  # timed once, to size the calibration's runs
-_CALIBRATION_S = 0.025  # each calibration run of matmuls takes about this long
-_CALIBRATION_REPEATS = 5  # the fastest counts
 _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DEFAULT_RATE = "1gbit"
 DEFAULT_MTU = 1500
 MASTER_PORT = 29500  # rank 0's store on an emulated host (the hosts are private)
 _SAY = "overlap bench: "
-TCP = rawtcp.NAME  # the reference: raw TCP streams, no reduction, no library
-AR_MPI = "asyncreduce-mpi"  # asyncreduce over MPI (backend="mpi"): our thread polls MPI
 KNOWN = ("asyncreduce", AR_MPI, "gloo", "mpi", TCP)  # what --libs accepts, in the table's order
-_CALLS = {
-    "asyncreduce": "iallreduce + wait",
-    AR_MPI: "iallreduce + wait, over MPI",
-    "gloo": "all_reduce(async_op=True) + wait",
-    "mpi": "Iallreduce + Wait",
-    TCP: "raw TCP streams, no reduction",
-}
-
-
-@dataclass(frozen=True)
-class Settings:
-    nprocs: list[int]
-    libs: list[str]
-    bytes: int
-    matrix: int
-    repeats: int
-    warmup: int
-    quick: bool
-    hosts: list[int] | None = None  # None: N ranks on this host; else one rank per emulated host
-    rates: list[str] = field(default_factory=list)  # with hosts: one cluster per (K, rate)
-    mtu: int | None = None  # with hosts: the links' MTU
-
-
-def overlap(t_comm: float, t_compute: float, t_both: float) -> float:
-    """``1 - (t_both - max) / min``: 1 = the shorter one fully hidden, 0 = none of it (raw)."""
-    return 1.0 - (t_both - max(t_comm, t_compute)) / min(t_comm, t_compute)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.base_parser(
+    parser = harness.base_parser(
         "overlap",
         "How much of one non-blocking float32 allreduce hides behind numpy matmuls on the "
         "caller's thread: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py), and as a "
@@ -156,26 +125,26 @@ def _parser() -> argparse.ArgumentParser:
         "is CPU work competing with the computation; --hosts K --rate R puts each rank on its "
         "own emulated host behind a shaped link, where the allreduce waits on the link (needs "
         "root).",
-        common.LIBS,
+        harness.LIBS,
         DEFAULT_REPEATS,
-        f"{common.format_size(QUICK_BYTES)} buffer, {QUICK_REPEATS} repeats",
+        f"{harness.format_size(QUICK_BYTES)} buffer, {QUICK_REPEATS} repeats",
         known=KNOWN,
-        libs_default=f"{','.join(common.LIBS)}, and {TCP} with --hosts",
+        libs_default=f"{','.join(harness.LIBS)}, and {TCP} with --hosts",
     )
     parser.add_argument(
         "--bytes",
-        type=common.parse_size,
+        type=harness.parse_size,
         default=None,
         help="allreduce size, K/M suffixes (default 32M)",
     )
     parser.add_argument(
         "--matrix",
-        type=common.positive_int,
+        type=positive_int,
         default=DEFAULT_MATRIX,
         help=f"side of the square float32 matrices multiplied (default {DEFAULT_MATRIX})",
     )
     parser.add_argument(
-        "--warmup", type=common.positive_int, default=1, help="untimed rounds first (default 1)"
+        "--warmup", type=positive_int, default=1, help="untimed rounds first (default 1)"
     )
     _host_options(parser)
     parser.epilog = (
@@ -188,14 +157,14 @@ def _parser() -> argparse.ArgumentParser:
 def _host_options(parser: argparse.ArgumentParser) -> None:
     """``--hosts``, ``--rate``, ``--mtu``: one rank per emulated host instead of the loopback."""
     add = parser.add_argument
-    add("--hosts", type=common.comma_list("host", common.host_count), default=None,
+    add("--hosts", type=harness.comma_list("host", harness.host_count), default=None,
         metavar="K", help="one rank per emulated host, K hosts (or K1,K2,...) in place of "
         "--nprocs on this host: network namespaces behind tc-tbf-shaped links "
         "(scripts/cluster.py, as bench links); needs root, ip and tc")  # fmt: skip
-    add("--rate", type=common.comma_list("rate", common.checked(cluster.parse_rate)),
+    add("--rate", type=harness.comma_list("rate", harness.checked(cluster.parse_rate)),
         default=None, metavar="R", help="with --hosts: link rate(s), comma-separated, one "
         f"cluster each (default {DEFAULT_RATE}; e.g. 1gbit,10gbit)")  # fmt: skip
-    add("--mtu", type=common.positive_int, default=None,
+    add("--mtu", type=positive_int, default=None,
         help=f"with --hosts: the links' MTU (default {DEFAULT_MTU})")  # fmt: skip
 
 
@@ -218,17 +187,17 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _default_libs(hosts: list[int] | None) -> list[str]:
     """Every library, and on emulated hosts the reference too (on one host asyncreduce and Open
     MPI move the data through shared memory, so raw TCP bounds only Gloo there)."""
-    return [*common.LIBS, TCP] if hosts else list(common.LIBS)
+    return [*harness.LIBS, TCP] if hosts else list(harness.LIBS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = common.parse(_parser(), argv)
+    args = harness.parse(_parser(), argv)
     if isinstance(args, int):
         return args
     if args.worker:
-        return common.worker_main(args, _worker, _connect)
+        return harness.worker_main(args, worker, connect)
     why = _why_not(args)
     if why:
         print(f"{_SAY}{why}", file=sys.stderr)
@@ -237,15 +206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parent(s: Settings, argv: Sequence[str], args: argparse.Namespace) -> int:
-    """Every set on this host (``common.parent_main``), or in emulated clusters (``--hosts``)."""
+    """Every set on this host (``harness.parent_main``), or in emulated clusters (``--hosts``)."""
     spec = functools.partial(_spec, s, args.timeout)
-    bench = common.Benchmark("overlap", Path(__file__), spec, report, summary, plot)
-    run = common.Run("overlap", asdict(s))
+    bench = harness.Benchmark("overlap", Path(__file__), spec, report, summary, plot)
+    run = harness.Run("overlap", asdict(s))
     if s.hosts is None or args.from_json is not None:
-        return common.parent_main(bench, run, s.libs, s.nprocs, argv, args)
+        return harness.parent_main(bench, run, s.libs, s.nprocs, argv, args)
     sets = functools.partial(_on_hosts, s, args.timeout)
-    return common.parent_main(
-        bench, run, s.libs, s.nprocs, argv, args, sets, common.cluster_unavailable
+    return harness.parent_main(
+        bench, run, s.libs, s.nprocs, argv, args, sets, harness.cluster_unavailable
     )
 
 
@@ -260,18 +229,18 @@ def _why_not(args: argparse.Namespace) -> str | None:
 
 def _spec(
     s: Settings, timeout: float | None, lib: str, nprocs: int, rate: str | None = None
-) -> common.SetSpec:
+) -> harness.SetSpec:
     """One set: N ranks here, or (``rate``) one per host of a cluster of N at ``rate``."""
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
     one = s.bytes * nprocs / slow_bytes_per_s  # one allreduce, pessimistic
     if rate is not None:  # and the ring over the link, at half its rate
         one += 2 * (nprocs - 1) / nprocs * s.bytes * 8 / (0.5 * cluster.parse_rate(rate))
     step = 60.0 + (s.warmup + 3) * 2 * one
-    limit = timeout or common.STARTUP_S + 2 * step + s.repeats * 4 * one
+    limit = timeout or harness.STARTUP_S + 2 * step + s.repeats * 4 * one
     where = "" if rate is None else _setting_name(nprocs, rate)
     row = _where_row(nprocs, rate, s.mtu)
     env = dict(_ONE_THREAD)
-    return common.SetSpec(
+    return harness.SetSpec(
         Path(__file__), lib, nprocs, asdict(s), limit, step, env, where=where, row=row
     )
 
@@ -292,8 +261,8 @@ def _where_row(nprocs: int, rate: str | None, mtu: int | None) -> dict[str, Any]
 
 
 def _on_hosts(
-    s: Settings, timeout: float | None, run: common.Run, libs: Sequence[str],
-    progress: common.Progress,
+    s: Settings, timeout: float | None, run: harness.Run, libs: Sequence[str],
+    progress: harness.Progress,
 ) -> None:  # fmt: skip
     """``parent_main``'s sets with ``--hosts``: one cluster per (K, rate), K by K."""
     for hosts in s.hosts or ():
@@ -302,157 +271,25 @@ def _on_hosts(
 
 
 def _on_cluster(
-    s: Settings, timeout: float | None, hosts: int, rate: str, run: common.Run,
-    libs: Sequence[str], progress: common.Progress,
+    s: Settings, timeout: float | None, hosts: int, rate: str, run: harness.Run,
+    libs: Sequence[str], progress: harness.Progress,
 ) -> None:  # fmt: skip
     """Every library's set in one cluster of ``hosts`` at ``rate``, torn down after."""
     try:
         with cluster.Cluster(hosts, rate, mtu=s.mtu or DEFAULT_MTU) as c:
             for lib in libs:
                 spec = _spec(s, timeout, lib, hosts, rate)
-                common.run_set_in_cluster(c, spec, run, progress, MASTER_PORT)
+                harness.run_set_in_cluster(c, spec, run, progress, MASTER_PORT)
     except cluster.ClusterError as exc:
         for lib in libs:
-            run.failures.append(common.failure_of(_spec(s, timeout, lib, hosts, rate), str(exc)))
+            run.failures.append(harness.failure_of(_spec(s, timeout, lib, hosts, rate), str(exc)))
         progress.end(f"{_SAY}cluster of {hosts} at {rate} failed: {exc}")
-
-
-# ---- the worker: one rank ------------------------------------------------------------------
-
-Post = Callable[[], Any]  # starts the allreduce, returns something to wait on
-Wait = Callable[[Any], None]
-
-
-def _connect(lib: str) -> common.Rank:
-    """Join the set as one rank of ``lib``: the reference's own sockets, or the library."""
-    return rawtcp.RawTcpRank() if lib == TCP else common.connect(lib)
-
-
-def _calls(rank: Any, count: int) -> tuple[Post, Wait]:
-    """How this library posts the allreduce of a zero buffer, and how it waits for it (the
-    reference: the bytes a ring allreduce of it moves, both ways, nothing reduced)."""
-    if rank.lib == TCP:
-        streams = rank.streams(count * common.DTYPE_BYTES)
-        return streams.post, streams.wait
-    if rank.lib in ("asyncreduce", AR_MPI):
-        x = np.zeros(count, dtype=np.float32)
-        return (lambda: rank.comm.iallreduce(x, name="overlap")), (lambda req: req.wait())
-    if rank.lib == "gloo":
-        t = rank.torch.zeros(count, dtype=rank.torch.float32)
-        return (lambda: rank.dist.all_reduce(t, async_op=True)), (lambda work: work.wait())
-    mpi, y = rank.MPI, np.zeros(count, dtype=np.float32)
-    return (lambda: rank.comm.Iallreduce(mpi.IN_PLACE, y, op=mpi.SUM)), (lambda req: req.Wait())
-
-
-class _Compute:
-    """``k`` matmuls of two square float32 matrices into a preallocated output."""
-
-    def __init__(self, side: int) -> None:
-        rng = np.random.default_rng(0)
-        self.a = rng.random((side, side), dtype=np.float32)
-        self.b = rng.random((side, side), dtype=np.float32)
-        self.out = np.empty_like(self.a)
-
-    def run(self, k: int) -> None:
-        for _ in range(k):
-            np.matmul(self.a, self.b, out=self.out)
-
-
-@dataclass(frozen=True)
-class _Calibration:
-    comm_s: float  # the allreduce alone, median of three
-    matmul_s: float  # one matmul, at the fastest of the calibration's runs
-    k: int  # matmuls per round: round(comm_s / matmul_s), at least 1
-
-
-def _calibrate(rank: common.Rank, post: Post, wait: Wait, compute: _Compute) -> _Calibration:
-    """``k`` matmuls take about as long as the allreduce: the allreduce's median of three, the
-    matmuls' fastest of five runs of about ``_CALIBRATION_S``.
-
-    The fastest, because a run can only be slowed by contention (on a machine with fewer free
-    cores than busy threads the scheduler at times puts two ranks' computations on one core,
-    and a short run caught by that takes twice as long): the minimum is the uncontended speed,
-    and a median of short runs could halve ``k``."""
-    t_comm = common.median(common.timed(rank, lambda: wait(post()), 3, warmup=0))
-    count = _calibration_matmuls(rank, compute)
-    fastest = min(common.timed(rank, lambda: compute.run(count), _CALIBRATION_REPEATS, 0))
-    per = fastest / count
-    return _Calibration(t_comm, per, max(1, round(t_comm / per)))
-
-
-def _calibration_matmuls(rank: common.Rank, compute: _Compute) -> int:
-    """How many matmuls take about ``_CALIBRATION_S``, from one short probe (the slowest rank's,
-    so every rank runs as many)."""
-    (probe,) = common.timed(rank, lambda: compute.run(_PROBE_MATMULS), 1, warmup=0)
-    return max(_PROBE_MATMULS, math.ceil(_CALIBRATION_S / probe * _PROBE_MATMULS))
-
-
-def _both(rank: common.Rank, post: Post, wait: Wait, compute: _Compute, k: int) -> list[float]:
-    """One post-compute-wait round: [total, posting, computing, waiting], each max over ranks."""
-    rank.barrier()
-    t0 = time.perf_counter()
-    handle = post()
-    t1 = time.perf_counter()
-    compute.run(k)
-    t2 = time.perf_counter()
-    wait(handle)
-    t3 = time.perf_counter()
-    return [rank.max(v) for v in (t3 - t0, t1 - t0, t2 - t1, t3 - t2)]
-
-
-def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
-    s = Settings(**settings)
-    post, wait = _calls(rank, s.bytes // common.DTYPE_BYTES)
-    compute = _Compute(s.matrix)
-    tell("start", step="calibrate")
-    for _ in range(s.warmup):
-        wait(post())
-        compute.run(_WARMUP_MATMULS)
-        _both(rank, post, wait, compute, _WARMUP_MATMULS)
-    cal = _calibrate(rank, post, wait, compute)
-    k = cal.k
-    comm, comp, both = [], [], []
-    for index in range(s.repeats):
-        tell("start", step=f"round {index + 1}/{s.repeats} (k={k})")
-        comm += common.timed(rank, lambda: wait(post()), 1, warmup=0)
-        comp += common.timed(rank, lambda: compute.run(k), 1, warmup=0)
-        both.append(_both(rank, post, wait, compute, k))
-    tell("result", call=_CALLS[rank.lib], bytes=s.bytes, matmuls=k, comm_estimate_s=cal.comm_s,
-         matmul_calibrated_s=cal.matmul_s, **_reference(rank, s.bytes),
-         **_summarize(comm, comp, both))  # fmt: skip
-
-
-def _reference(rank: common.Rank, nbytes: int) -> dict[str, Any]:
-    """``reference``: whether this row is the raw-TCP reference, and if so what it moved."""
-    if rank.lib != TCP:
-        return {"reference": False}
-    return {"reference": True, "bytes_each_way": rawtcp.ring_bytes(rank.size, nbytes)}
-
-
-def _summarize(comm: list[float], comp: list[float], both: list[list[float]]) -> dict[str, Any]:
-    """Medians of the rounds, the overlap (clipped and raw) and every round's times."""
-    t_comm, t_compute = common.median(comm), common.median(comp)
-    t_both = common.median([b[0] for b in both])
-    raw = overlap(t_comm, t_compute, t_both)
-    return {
-        "t_comm_s": t_comm,
-        "t_compute_s": t_compute,
-        "t_both_s": t_both,
-        "post_s": common.median([b[1] for b in both]),
-        "compute_in_both_s": common.median([b[2] for b in both]),
-        "wait_in_both_s": common.median([b[3] for b in both]),
-        "overlap": min(1.0, max(0.0, raw)),
-        "overlap_raw": raw,
-        "comm_repeats_s": comm,
-        "compute_repeats_s": comp,
-        "both_repeats_s": [b[0] for b in both],
-    }
 
 
 # ---- the parent: report ---------------------------------------------------------------------
 
 
-def summary(run: common.Run) -> dict[str, Any]:
+def summary(run: harness.Run) -> dict[str, Any]:
     """Per N on one host (``"2"``), per ``"K hosts @ RATE"`` on emulated hosts: each library's
     overlap (clipped), its speed-up over comm + compute in turn, and whether it is the
     reference (``tcp``: raw TCP streams, no library)."""
@@ -473,21 +310,21 @@ def _rates(settings: dict[str, Any]) -> list[str | None]:
     return list(settings["rates"]) if settings.get("hosts") else [None]
 
 
-def _failed(run: common.Run, lib: str, nprocs: int, rate: str | None) -> bool:
+def _failed(run: harness.Run, lib: str, nprocs: int, rate: str | None) -> bool:
     return any((f["lib"], f["nprocs"], f.get("rate")) == (lib, nprocs, rate) for f in run.failures)
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
     return [
-        r["call"], common.fmt_ms(r["t_comm_s"]), common.fmt_ms(r["t_compute_s"]),
-        common.fmt_ms(r["t_both_s"]), common.fmt_ms(r["t_comm_s"] + r["t_compute_s"]),
+        r["call"], harness.fmt_ms(r["t_comm_s"]), harness.fmt_ms(r["t_compute_s"]),
+        harness.fmt_ms(r["t_both_s"]), harness.fmt_ms(r["t_comm_s"] + r["t_compute_s"]),
         f"{r['overlap']:.2f}", f"{r['overlap_raw']:+.2f}",
-        common.fmt_ms(r["compute_in_both_s"]), common.fmt_ms(r["wait_in_both_s"]),
+        harness.fmt_ms(r["compute_in_both_s"]), harness.fmt_ms(r["wait_in_both_s"]),
         str(r["matmuls"]),
     ]  # fmt: skip
 
 
-def _table(run: common.Run, nprocs: int) -> str:
+def _table(run: harness.Run, nprocs: int) -> str:
     headers = [
         "setting", "library", "call", "comm ms", "compute ms", "both ms", "serial ms", "overlap",
         "raw", "compute in both ms", "wait after ms", "matmuls",
@@ -503,7 +340,7 @@ def _table(run: common.Run, nprocs: int) -> str:
     title = _title(run.settings, nprocs)
     if not rows:
         return title + "\n(no results)"
-    table = title + "\n" + common.render_table(headers, rows, left=3)
+    table = title + "\n" + harness.render_table(headers, rows, left=3)
     return table + _reference_note(run, nprocs)
 
 
@@ -511,12 +348,12 @@ def _label(lib: str) -> str:
     return f"{lib} (reference)" if lib == TCP else lib
 
 
-def _reference_note(run: common.Run, nprocs: int) -> str:
+def _reference_note(run: harness.Run, nprocs: int) -> str:
     """The line under a table with a reference row: what that row is."""
     found = run.rows(lib=TCP, nprocs=nprocs)
     if not found:
         return ""
-    each_way = common.format_size(found[0].get("bytes_each_way") or run.settings["bytes"])
+    each_way = harness.format_size(found[0].get("bytes_each_way") or run.settings["bytes"])
     bounds = "any TCP library" if run.settings.get("hosts") else "Gloo (the others use shm here)"
     return (
         f"\n{TCP} (reference): no library and no reduction: each rank sends {each_way} "
@@ -536,7 +373,7 @@ def _title(s: dict[str, Any], nprocs: int) -> str:
     else:
         where = f"N={nprocs} on one host (loopback)"
     return (
-        f"{where}: one {common.format_size(s['bytes'])} float32 allreduce posted, then "
+        f"{where}: one {harness.format_size(s['bytes'])} float32 allreduce posted, then "
         f"matmuls of {s['matrix']}x{s['matrix']} float32 (numpy, 1 thread) sized to take about "
         f"as long, then wait; median of {s['repeats']}, slowest rank\n"
         "overlap = 1 - (both - max(comm, compute)) / min(comm, compute), clipped to [0, 1]; "
@@ -544,14 +381,14 @@ def _title(s: dict[str, Any], nprocs: int) -> str:
     )
 
 
-def report(run: common.Run, machine: dict[str, Any]) -> str:
-    return common.report_per_n(run, machine, _table)
+def report(run: harness.Run, machine: dict[str, Any]) -> str:
+    return harness.report_per_n(run, machine, _table)
 
 
-def plot(path: Path, run: common.Run) -> None:
+def plot(path: Path, run: harness.Run) -> None:
     """One panel per N: comm, compute, both and comm + compute per library (grouped bars),
     and per link rate on emulated hosts."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     ns = run.settings["nprocs"]
     width = 2 + 5 * len(_rates(run.settings))  # 7 for one rate (4 rows), +5 per rate
     fig, axes = plt.subplots(1, len(ns), figsize=(width * len(ns), 4.5), squeeze=False)
@@ -575,10 +412,10 @@ def plot(path: Path, run: common.Run) -> None:
         ax.set_xticklabels([_tick(r) for r in rows])
         ax.set_ylabel("ms (slowest rank, median)")
         where = f"{nprocs} hosts" if run.settings.get("hosts") else f"N={nprocs}, 1 host"
-        ax.set_title(f"{common.format_size(run.settings['bytes'])} allreduce vs matmuls, {where}")
+        ax.set_title(f"{harness.format_size(run.settings['bytes'])} allreduce vs matmuls, {where}")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 def _tick(r: dict[str, Any]) -> str:

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py and allreduce.py
-import common  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and allreduce.py
+import harness  # noqa: E402
 
 __all__ = ["main", "CASES"]
 
@@ -78,17 +78,17 @@ class Settings:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = common.base_parser(
+    parser = harness.base_parser(
         "priority",
         "Time to complete a small high-priority allreduce posted right after a large one, "
         "against the same at equal priority and alone (asyncreduce; Gloo as a reference).",
         ("asyncreduce",),
         DEFAULT_REPEATS,
-        f"big {common.format_size(QUICK_BIG)}, {QUICK_REPEATS} repeats",
+        f"big {harness.format_size(QUICK_BIG)}, {QUICK_REPEATS} repeats",
         known=LIBS,
     )
-    parser.add_argument("--big", type=common.parse_size, default=None, help="default 128M")
-    parser.add_argument("--small", type=common.parse_size, default=DEFAULT_SMALL, help="4K")
+    parser.add_argument("--big", type=harness.parse_size, default=None, help="default 128M")
+    parser.add_argument("--small", type=harness.parse_size, default=DEFAULT_SMALL, help="4K")
     parser.add_argument(
         "--high", type=int, default=DEFAULT_HIGH, help=f"the small one's priority ({DEFAULT_HIGH})"
     )
@@ -110,18 +110,18 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, one rank of it); return the exit code."""
-    return common.bench_main(
+    return harness.bench_main(
         "priority", Path(__file__), argv, _parser(), _settings, _worker, _spec,
         report, summary, plot,
     )  # fmt: skip
 
 
-def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> common.SetSpec:
+def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> harness.SetSpec:
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
     one = s.big * nprocs / slow_bytes_per_s
     step = 60.0 + 4 * one
-    limit = timeout or common.STARTUP_S + (s.repeats + 1) * step
-    return common.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
+    limit = timeout or harness.STARTUP_S + (s.repeats + 1) * step
+    return harness.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
 
 
 # ---- the worker: one rank ------------------------------------------------------------------
@@ -227,14 +227,14 @@ def _gloo_cases(rank: Any, s: Settings) -> dict[str, Case]:
     }
 
 
-def _round(rank: common.Rank, case: Case, clock: _Clock) -> dict[str, float]:
+def _round(rank: harness.Rank, case: Case, clock: _Clock) -> dict[str, float]:
     """One timed run of a case: {name: completion time}, the slowest rank's."""
     rank.barrier()
     case(clock)
     return {name: rank.max(clock.done.get(name, 0.0)) for name in ("big", "small")}
 
 
-def _worker(rank: common.Rank, settings: dict[str, Any], tell: common.Tell) -> None:
+def _worker(rank: harness.Rank, settings: dict[str, Any], tell: harness.Tell) -> None:
     s = Settings(**settings)
     cases = (_asyncreduce_cases if rank.lib == "asyncreduce" else _gloo_cases)(rank, s)
     clock = _Clock()
@@ -255,9 +255,9 @@ def _medians(rounds: list[dict[str, float]]) -> dict[str, Any]:
     small = [r["small"] for r in rounds]
     both = all(b > 0 for b in big) and all(x > 0 for x in small)
     return {
-        "big_s": common.median(big) if all(b > 0 for b in big) else None,
-        "small_s": common.median(small) if all(x > 0 for x in small) else None,
-        "small_over_big": common.median([x / b for x, b in zip(small, big, strict=True)])
+        "big_s": harness.median(big) if all(b > 0 for b in big) else None,
+        "small_s": harness.median(small) if all(x > 0 for x in small) else None,
+        "small_over_big": harness.median([x / b for x, b in zip(small, big, strict=True)])
         if both
         else None,
         "rounds": rounds,
@@ -271,7 +271,7 @@ def _label(lib: str, case: str, s: dict[str, Any]) -> str:
     return CASES[(lib, case)].format(high=s["high"])
 
 
-def summary(run: common.Run) -> dict[str, Any]:
+def summary(run: harness.Run) -> dict[str, Any]:
     """Per N and library: the small one's time with and without its head start, and alone."""
     out: dict[str, Any] = {}
     for r in run.results:
@@ -285,14 +285,14 @@ def _row(r: dict[str, Any], alone: float | None, s: dict[str, Any]) -> list[str]
     return [
         r["lib"],
         _label(r["lib"], r["case"], s),
-        common.fmt_ms(small) if small else "-",
-        common.fmt_ms(big) if big else "-",
+        harness.fmt_ms(small) if small else "-",
+        harness.fmt_ms(big) if big else "-",
         f"{ratio:.3f}" if ratio is not None else "-",
         f"{small / alone:.1f}x" if small and alone else "-",
     ]
 
 
-def _table(run: common.Run, nprocs: int) -> str:
+def _table(run: harness.Run, nprocs: int) -> str:
     s = run.settings
     headers = ["library", "case", "small ms", "big ms", "small/big", "small vs alone"]
     rows = []
@@ -302,23 +302,23 @@ def _table(run: common.Run, nprocs: int) -> str:
         if found:
             rows.append(_row(found[0], alone[0]["small_s"] if alone else None, s))
     title = (
-        f"N={nprocs}: a {common.format_size(s['big'])} allreduce (big) posted, then at once a "
-        f"{common.format_size(s['small'])} one (small, another name); ms from posting the big "
+        f"N={nprocs}: a {harness.format_size(s['big'])} allreduce (big) posted, then at once a "
+        f"{harness.format_size(s['small'])} one (small, another name); ms from posting the big "
         f"one until each completes,\nslowest rank, median of {s['repeats']} rounds after a "
         "warm-up; small/big = the small one's time as a fraction of the big one's"
     )
     if not rows:
         return title + "\n(no results)"
-    return title + "\n" + common.render_table(headers, rows, left=2)
+    return title + "\n" + harness.render_table(headers, rows, left=2)
 
 
-def report(run: common.Run, machine: dict[str, Any]) -> str:
-    return common.report_per_n(run, machine, _table)
+def report(run: harness.Run, machine: dict[str, Any]) -> str:
+    return harness.report_per_n(run, machine, _table)
 
 
-def plot(path: Path, run: common.Run) -> None:
+def plot(path: Path, run: harness.Run) -> None:
     """One panel per N: completion time of the small and the big one per case (log scale)."""
-    plt = common.pyplot()
+    plt = harness.pyplot()
     s = run.settings
     ns = s["nprocs"]
     fig, axes = plt.subplots(1, len(ns), figsize=(6.5 * len(ns), 5), squeeze=False)
@@ -336,11 +336,11 @@ def plot(path: Path, run: common.Run) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("ms from posting the big one (log)")
         ax.set_title(
-            f"{common.format_size(s['small'])} after {common.format_size(s['big'])}, N={nprocs}"
+            f"{harness.format_size(s['small'])} after {harness.format_size(s['big'])}, N={nprocs}"
         )
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    common.save_figure(plt, fig, path)
+    harness.save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-``RawTcpRank`` is a ``common.Rank`` of the pseudo-library ``tcp``: rank r holds one plain TCP
+``RawTcpRank`` is a ``harness.Rank`` of the pseudo-library ``tcp``: rank r holds one plain TCP
 connection to its right neighbour (r+1 mod N) and one from its left (r-1 mod N), nothing else.
 ``Streams.post`` moves, in two background threads, exactly what a ring allreduce of ``size``
 bytes moves over each rank's link each way, ``ring_bytes(N, size)`` = 2(N-1)/N * size (N=2:
@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 
-import common
+import harness
 
 __all__ = ["NAME", "RawTcpRank", "Streams", "ring_bytes"]
 
@@ -61,7 +61,7 @@ def ring_bytes(nprocs: int, nbytes: int) -> int:
     return 2 * (nprocs - 1) * nbytes // nprocs
 
 
-class RawTcpRank(common.Rank):
+class RawTcpRank(harness.Rank):
     """One rank of the reference: a connection to the right neighbour and one from the left.
 
     Rank, world size and rank 0's address come from RANK, WORLD_SIZE, MASTER_ADDR and

@@ -33,10 +33,10 @@ REFERENCE = "tcp"  # the overlap benchmark's raw TCP streams
 
 def _load(name: str, path: Path) -> ModuleType:
     if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))  # common.py, which loads the others by path
-    import common
+        sys.path.insert(0, str(BENCHMARKS))  # the harness, which loads the others by path
+    import harness
 
-    return common.load_module(name, path)
+    return harness.load_module(name, path)
 
 
 def _cluster() -> ModuleType:

@@ -34,9 +34,9 @@ METHODS = ("blocking", "backward", "forward", "double_buffer", "ddp", "local")
 
 
 def _cluster() -> ModuleType:
-    import common
+    import harness
 
-    return common.load_module("asyncreduce_scripts.cluster", ROOT / "scripts" / "cluster.py")
+    return harness.load_module("asyncreduce_scripts.cluster", ROOT / "scripts" / "cluster.py")
 
 
 def test_emulated_resnet50_has_torchvision_shapes() -> None:

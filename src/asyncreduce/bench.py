@@ -44,7 +44,7 @@ def available(directory: Path | None = None) -> dict[str, str]:
         except (OSError, SyntaxError, UnicodeDecodeError):
             continue
         if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            continue  # a helper module (common.py), not a benchmark
+            continue  # a helper module (allreduce_rank.py, ...), not a benchmark
         doc = ast.get_docstring(tree) or ""
         found[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
     return found

@@ -24,15 +24,16 @@ import operator
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from . import forks
-from .algorithms import Array, Exchange, reduction_refused
-from .backends import Backend, Plan, backend_for
+from . import forks, plans
+from .algorithms import Array, reduction_refused
+from .backends import Backend, backend_for
+from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
 from .engine import Engine
@@ -40,8 +41,9 @@ from .errors import BrokenError, ClosedError, UsageError
 from .keys import Keys, p2p_name
 from .ordered.engine import OrderedEngine
 from .planes import DataPlane
+from .plans import Plan
 from .request import CallbackRunner, Request
-from .window import WindowError
+from .window import WindowError, array_layout
 
 __all__ = ["Communicator"]
 
@@ -60,11 +62,12 @@ def _close_forgotten() -> None:
         comm.close()
 
 
-class Communicator:
+class Communicator(BlockingCalls):
     """A group of ``world_size`` ranks that run collectives together (see ``init``).
 
     ``local_rank`` and ``local_world_size``: this rank's place among the ranks on its host
-    (from the launcher, or counted at init), e.g. to pick a GPU."""
+    (from the launcher, or counted at init), e.g. to pick a GPU. Each ``iX`` call starts an
+    operation and returns its ``Request``; ``X`` (blocking.py) is ``iX(...).wait()``."""
 
     def __init__(
         self,
@@ -100,10 +103,6 @@ class Communicator:
         self._check_reduction(op, buf)
         return self._post("allreduce", buf, lambda: buf.original, op, 0, name, priority, timeout)
 
-    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
-        """``iallreduce(...).wait()``."""
-        return self.iallreduce(x, op, **kwargs).wait()
-
     def ibroadcast(
         self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
         timeout: float | None = None, inplace: bool = True,
@@ -115,25 +114,13 @@ class Communicator:
             "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
         )
 
-    def broadcast(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
-        """``ibroadcast(...).wait()``."""
-        return self.ibroadcast(x, root, **kwargs).wait()
-
     def iallgather(
         self, x: Any, *, name: str | None = None, priority: int = 0, timeout: float | None = None
     ) -> Request[Any]:
         """Start gathering every rank's ``x``; the result has shape (world_size, *x.shape)."""
         buf = as_buffer(x, "x", inplace=False)
-        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
-        out.reshape(self.world_size, -1)[self.rank] = buf.flat
-        gathered = Buffer(out, out.reshape(-1), out.shape, buf.dtype, buf.like)
-        return self._post(
-            "allgather", gathered, lambda: buf.like(out), None, 0, name, priority, timeout
-        )
-
-    def allgather(self, x: Any, **kwargs: Any) -> Any:
-        """``iallgather(...).wait()``."""
-        return self.iallgather(x, **kwargs).wait()
+        plan = plans.allgather(self.rank, self.world_size, buf)
+        return self._submit(plan, name, priority, timeout)
 
     def ireduce_scatter(
         self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
@@ -147,48 +134,13 @@ class Communicator:
                 f"reduce_scatter needs the first axis of x divisible by "
                 f"world_size={self.world_size}; x has shape {buf.shape}"
             )
-        block = (buf.shape[0] // self.world_size, *buf.shape[1:])
-        mine = buf.flat.reshape(self.world_size, -1)[self.rank].reshape(block)
-        return self._post(
-            "reduce_scatter", buf, lambda: buf.like(mine), op, 0, name, priority, timeout
-        )
-
-    def reduce_scatter(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
-        """``ireduce_scatter(...).wait()``."""
-        return self.ireduce_scatter(x, op, **kwargs).wait()
-
-    def reduce(self, x: Any, op: str = "sum", root: int = 0, **kwargs: Any) -> Any:
-        """``ireduce(...).wait()``."""
-        return self.ireduce(x, op, root, **kwargs).wait()
-
-    def gather(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
-        """``igather(...).wait()``."""
-        return self.igather(x, root, **kwargs).wait()
-
-    def scatter(self, out: Any, source: Any = None, root: int = 0, **kwargs: Any) -> Any:
-        """``iscatter(...).wait()``."""
-        return self.iscatter(out, source, root, **kwargs).wait()
-
-    def alltoall(self, x: Any, **kwargs: Any) -> Any:
-        """``ialltoall(...).wait()``."""
-        return self.ialltoall(x, **kwargs).wait()
-
-    def send(self, x: Any, dst: int, **kwargs: Any) -> None:
-        """``isend(...).wait()``."""
-        self.isend(x, dst, **kwargs).wait()
-
-    def recv(self, x: Any, src: int, **kwargs: Any) -> Any:
-        """``irecv(...).wait()``."""
-        return self.irecv(x, src, **kwargs).wait()
+        plan = plans.reduce_scatter(self.rank, self.world_size, buf, op)
+        return self._submit(plan, name, priority, timeout)
 
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
         buf = as_buffer(_EMPTY, "barrier")
         return self._post("barrier", buf, lambda: None, None, 0, name, 0, timeout)
-
-    def barrier(self, **kwargs: Any) -> None:
-        """``ibarrier(...).wait()``."""
-        self.ibarrier(**kwargs).wait()
 
     def ireduce(
         self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,
@@ -210,14 +162,7 @@ class Communicator:
         (world_size, *x.shape); the other ranks' is None."""
         self._check_root(root)
         buf = as_buffer(x, "x", inplace=False, copy=False)
-        if self.rank != root:
-            plan = self._exchange("gather", buf, {root: buf.flat}, {}, lambda: None, root)
-            return self._submit(plan, name, priority, timeout)
-        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
-        blocks = out.reshape(self.world_size, -1)
-        blocks[root] = buf.flat
-        recvs = {r: blocks[r] for r in range(self.world_size) if r != root}
-        plan = self._exchange("gather", buf, {}, recvs, lambda: buf.like(out), root)
+        plan = plans.gather(self.rank, self.world_size, buf, root)
         return self._submit(plan, name, priority, timeout)
 
     def iscatter(
@@ -228,18 +173,12 @@ class Communicator:
         only: shape (world_size, *out.shape)); the result is ``out``."""
         self._check_root(root)
         buf = as_buffer(out, "out")
-        if self.rank != root:
-            plan = self._exchange("scatter", buf, {}, {root: buf.flat}, lambda: buf.original, root)
-            return self._submit(plan, name, priority, timeout)
-        src = as_buffer(source, "source", inplace=False, copy=False)
-        if src.shape != (self.world_size, *buf.shape) or src.dtype != buf.dtype:
+        src = None if self.rank != root else as_buffer(source, "source", inplace=False, copy=False)
+        want = (self.world_size, *buf.shape)
+        if src is not None and (src.shape != want or src.dtype != buf.dtype):
             raise UsageError(f"scatter's source on the root must be {buf.dtype.name} of shape "
-                             f"{(self.world_size, *buf.shape)}; it is {src.dtype.name} "
-                             f"{src.shape}")  # fmt: skip
-        blocks = src.flat.reshape(self.world_size, -1)
-        buf.flat[:] = blocks[root]
-        sends = {r: blocks[r] for r in range(self.world_size) if r != root}
-        plan = self._exchange("scatter", buf, sends, {}, lambda: buf.original, root)
+                             f"{want}; it is {src.dtype.name} {src.shape}")  # fmt: skip
+        plan = plans.scatter(self.rank, self.world_size, buf, src, root)
         return self._submit(plan, name, priority, timeout)
 
     def ialltoall(
@@ -251,12 +190,7 @@ class Communicator:
         if not buf.shape or buf.shape[0] % self.world_size:
             raise UsageError(f"alltoall needs the first axis of x divisible by "
                              f"world_size={self.world_size}; x has shape {buf.shape}")  # fmt: skip
-        out = np.empty(buf.shape, dtype=buf.flat.dtype)
-        mine, theirs = buf.flat.reshape(self.world_size, -1), out.reshape(self.world_size, -1)
-        theirs[self.rank] = mine[self.rank]
-        others = [r for r in range(self.world_size) if r != self.rank]
-        plan = self._exchange("alltoall", buf, {r: mine[r] for r in others},
-                              {r: theirs[r] for r in others}, lambda: buf.like(out), 0)  # fmt: skip
+        plan = plans.alltoall(self.rank, self.world_size, buf)
         return self._submit(plan, name, priority, timeout)
 
     def isend(
@@ -266,8 +200,7 @@ class Communicator:
         tag=tag)`` (sends with one tag to one rank are received in the order posted)."""
         self._check_peer(dst, "dst")
         buf = as_buffer(x, "x", inplace=False, copy=False)
-        plan = self._exchange("p2p", buf, {dst: buf.flat}, {}, lambda: None, self.rank)
-        plan.tag = tag
+        plan = plans.send(self.rank, self.world_size, buf, dst, tag)
         return self._submit(plan, None, priority, timeout, p2p_name(self.rank, dst, tag))
 
     def irecv(
@@ -276,8 +209,7 @@ class Communicator:
         """Start receiving into ``x`` what rank ``src`` sends with ``tag``; the result is ``x``."""
         self._check_peer(src, "src")
         buf = as_buffer(x, "x")
-        plan = self._exchange("p2p", buf, {}, {src: buf.flat}, lambda: buf.original, src)
-        plan.tag = tag
+        plan = plans.receive(self.rank, self.world_size, buf, src, tag)
         return self._submit(plan, None, priority, timeout, p2p_name(src, self.rank, tag))
 
     def _post_exchange(
@@ -290,7 +222,8 @@ class Communicator:
         out = {r: self._same_kind(as_buffer(x, "output"), buf).flat for r, x in recvs.items()}
         into = {r: self._same_kind(as_buffer(x, "input", inplace=False, copy=False), buf).flat
                 for r, x in sends.items()}  # fmt: skip
-        plan = self._exchange(kind, buf, into, out, lambda: None, root, count)
+        plan = plans.exchange(kind, self.rank, self.world_size, buf, into, out, lambda: None,
+                              root, count)  # fmt: skip
         return self._submit(plan, None, 0, timeout)
 
     def _same_kind(self, buf: Buffer, like: Buffer) -> Buffer:
@@ -347,22 +280,20 @@ class Communicator:
         if self._closed:
             raise ClosedError("shared_empty: the communicator is closed")
         self._check_process("shared_empty")
-        dims, kind = _shape_and_dtype(shape, dtype)
+        dims, kind = array_layout(shape, dtype)
         if not self._planes.offers_windows:
             return np.empty(dims, kind)
-        count = int(np.prod(dims, dtype=np.int64))
         try:
-            raw = self._planes.windows.create(
+            return self._planes.windows.array(
                 self.rank,
-                count * kind.itemsize,
+                dims,
+                kind,
                 lambda record: self.allgather(record, name=_WINDOW, timeout=timeout),
                 lambda: self.barrier(name=_WINDOW, timeout=timeout),
             )
         except WindowError as exc:
             self.abort(f"rank {self.rank}: shared_empty: {exc}")
             raise BrokenError(f"shared_empty on rank {self.rank}: {exc}") from exc
-        shaped: Array = raw.view(kind).reshape(dims)
-        return shaped
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -491,14 +422,6 @@ class Communicator:
             raise UsageError(f"{what}={peer!r} is not another rank of this communicator "
                              f"(0..{self.world_size - 1}, not {self.rank})")  # fmt: skip
 
-    def _exchange(
-        self, kind: str, buf: Buffer, sends: dict[int, Array], recvs: dict[int, Array],
-        result: Callable[[], Any], root: int, count: int | None = None,
-    ) -> Plan:  # fmt: skip
-        """A direct exchange of ``sends`` and ``recvs`` (see algorithms/exchange.py)."""
-        algo = Exchange(self.rank, self.world_size, sends, recvs)
-        return Plan(kind, buf, result, None, root, algo, count, sends, recvs)
-
     def _post(
         self, kind: str, buf: Buffer, result: Any, op: str | None, root: int,
         name: str | None, priority: int, timeout: float | None,
@@ -527,23 +450,3 @@ class Communicator:
         self._backend.submit(plan, key, label, priority, timeout, request)
         return request
 
-
-def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """Checked arguments of shared_empty (before anything collective happens)."""
-    try:
-        kind = np.dtype(dtype)
-    except TypeError as exc:
-        raise UsageError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
-    if kind.hasobject or kind.itemsize == 0:
-        raise UsageError(f"dtype {kind} cannot live in shared memory; use a numeric dtype")
-    try:
-        dims = (
-            (operator.index(shape),)
-            if not isinstance(shape, Sequence)
-            else tuple(operator.index(d) for d in shape)
-        )
-    except TypeError:
-        raise UsageError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise UsageError(f"shape must be non-negative, got {dims}")
-    return dims, kind

@@ -12,10 +12,10 @@ from ..engine import Engine
 from ..ordered.backend import OrderedBackend
 from ..ordered.engine import OrderedEngine
 from ..planes import SharedPlanes
-from .base import Backend, Plan
+from .base import Backend
 from .native import LocalBackend, NativeBackend
 
-__all__ = ["Backend", "Plan", "backend_for"]
+__all__ = ["Backend", "backend_for"]
 
 
 def backend_for(

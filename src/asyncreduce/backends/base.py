@@ -8,21 +8,18 @@ why) it broke, keeps the stall warnings and the flight record, and says which da
 operations use. There is one backend per kind of engine: ``LocalBackend`` (a world of one:
 nothing to talk to), ``NativeBackend`` (our own engine, key-matched, over TCP or shared
 memory) and ``OrderedBackend`` (engines that need one order on every rank: MPI,
-torch.distributed; see ordered/). ``Plan`` and the per-operation log line are shared by all.
+torch.distributed; see ordered/).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..algorithms import KINDS, REDUCTION_CODES, Array, Collective
-from ..buffers import Buffer
 from ..flight import FlightRecorder
 from ..keys import Key
 from ..planes import DataPlane, SharedPlanes
+from ..plans import Plan
 from ..request import Request
 from ..transport.frame import Descriptor
 
@@ -30,33 +27,9 @@ if TYPE_CHECKING:
     from ..engine import Engine
     from ..ordered.engine import OrderedEngine
 
-__all__ = ["Backend", "EngineBackend", "Plan", "log_post"]
+__all__ = ["Backend", "EngineBackend", "log_post"]
 
 log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked (see comm.py)
-
-
-@dataclass
-class Plan:
-    """One operation as the communicator hands it to a backend: its kind, buffer (dtype and
-    count, and the data of the built-in algorithms), how to hand the result back, and for
-    direct exchanges the algorithm itself and the count every rank must agree on."""
-
-    kind: str
-    buf: Buffer
-    result: Callable[[], Any]
-    op: str | None = None
-    root: int = 0
-    algo: Collective | None = None
-    count: int | None = None
-    sends: dict[int, Array] | None = None  # a direct exchange's own buffers (ordered engines)
-    recvs: dict[int, Array] | None = None
-    tag: int | None = None  # point-to-point
-
-    def descriptor(self, root: int, dtype_code: int) -> Descriptor:
-        """What every rank must agree on: kind, dtype, reduction, ``root`` and count."""
-        count = self.buf.flat.size if self.count is None else self.count
-        reduce = REDUCTION_CODES[self.op] if self.op else 0
-        return Descriptor(KINDS[self.kind], dtype_code, reduce, root, count)
 
 
 class Backend(Protocol):

@@ -19,9 +19,10 @@ from ..engine import Engine, Operation
 from ..errors import UsageError
 from ..keys import Key
 from ..planes import DataPlane, SharedPlanes
+from ..plans import Plan
 from ..request import Request
 from ..transport.frame import Descriptor
-from .base import EngineBackend, Plan, log_post
+from .base import EngineBackend, log_post
 
 if TYPE_CHECKING:
     from ..ordered.engine import OrderedEngine

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import EngineBackend, Plan, log_post
+from ..backends.base import EngineBackend, log_post
 from ..engine import ON_DEVICE
 from ..errors import UsageError
 from ..keys import Key
 from ..planes import DataPlane, SharedPlanes
+from ..plans import Plan
 from ..request import Request
 from .engine import OrderedEngine, Posted
 

@@ -11,9 +11,8 @@ The caller must not touch the buffer until the request completes; afterwards the
 in place (or in a new object, for ``inplace=False``, allgather and reduce_scatter).
 
 A group (``group``) is a communicator of some of the ranks over the same engine and
-connections: its operations are keyed under a prefix of its own, and its backend runs them in
-its own numbering. Point-to-point operations are keyed by source, destination and tag, so a
-send and the receive that names its source match like any other operation.
+connections: its operations are keyed under a prefix of its own (keys.py, which also keys
+point-to-point operations), and its backend runs them in its own numbering.
 """
 
 from __future__ import annotations

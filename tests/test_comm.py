@@ -113,6 +113,28 @@ def test_ranks_on_one_host_share_memory_unless_told_not_to(transport: str) -> No
     assert all(r == want for r in results.values()), results
 
 
+def body_data_plane(comm: ar.Communicator) -> tuple[str, bool, bool, bool]:
+    plane = comm.data_plane
+    comm.barrier()
+    return plane.engine, plane.shared_memory, plane.cross_memory, plane.windows
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_data_plane_says_which_memory_the_operations_use(transport: str) -> None:
+    results = run_ranks(2, body_data_plane, env=TRANSPORTS[transport])
+    cross = transport == "cma" and cross_memory_permitted()
+    want = ("native", transport != "tcp", cross, transport != "tcp")
+    assert all(r == want for r in results.values()), results
+
+
+def test_a_world_of_one_has_no_data_plane_to_speak_of() -> None:
+    with ar.Communicator(0, 1, None) as comm:
+        plane = comm.data_plane
+    assert (plane.engine, plane.shared_memory, plane.cross_memory, plane.windows) == (
+        "local", False, False, False
+    )
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("n", WORLDS)
 def test_collectives_are_exact_and_identical_on_every_rank(n: int, transport: str) -> None:

@@ -10,7 +10,7 @@ a small scratch that stays in the cache, and copies the others' reduced chunks s
 its own buffer.
 
 Whether it works, and that each peer's pid is really that peer's, is checked once, when the
-communicator is built (comm.py): every rank sends every other a fresh random challenge
+communicator is built (bootstrap.py): every rank sends every other a fresh random challenge
 through the store, each rank keeps the challenges it was sent in its own memory and announces
 where, and every rank reads them back from each peer's announced pid (which must be another
 process of this user). Only a process that received the challenge can hold it, so a rank

@@ -1,68 +1,51 @@
 """The public communicator: non-blocking collectives that any thread may post.
 
 Theory of operation. A call checks its arguments in the calling thread (a bad call raises
-``UsageError`` before anything is numbered or sent, so ranks stay in step), gives the
-operation its key, builds the algorithm's state machine over the caller's memory and hands it
-to the engine. The key is the ``name`` plus how many times this rank posted that name before,
-or, for unnamed operations, the count of unnamed ones: named operations may be posted in any
-order on each rank; unnamed ones, as in MPI, in the same order everywhere.
+``UsageError`` before anything is sent, so ranks stay in step), gives the operation its key
+(keys.py: the ``name`` plus how many times this rank posted it before; named operations may
+be posted in any order on each rank, unnamed ones, as in MPI, in the same order everywhere),
+makes its ``Request`` and hands a ``Plan`` of it to the backend (backends/): our own engine,
+an ordered one (MPI, torch.distributed), or, in a world of one, nothing at all.
 
 The caller must not touch the buffer until the request completes; afterwards the result is
 in place (or in a new object, for ``inplace=False``, allgather and reduce_scatter).
 
 A group (``group``) is a communicator of some of the ranks over the same engine and
-connections: its operations are keyed under a prefix of its own, its algorithms are built for
-its own numbering and wrapped (``Translated``) so the engine sees the ranks it knows. Point-to-
-point operations are keyed by source, destination and tag (``p2p:SRC>DST:TAG``), so a send and
-the receive that names its source match like any other operation.
+connections: its operations are keyed under a prefix of its own (keys.py, which also keys
+point-to-point operations), and its backend runs them in its own numbering.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import operator
 import os
-import threading
 import time
 import weakref
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from . import forks
-from .algorithms import (
-    CROSS_MEMORY,
-    CROSS_MEMORY_BYTES,
-    KINDS,
-    REDUCTION_CODES,
-    SMALL_ALLREDUCE_BYTES,
-    Array,
-    Collective,
-    Exchange,
-    PeerMemory,
-    RenumberedMemory,
-    Translated,
-    build,
-    reduction_refused,
-)
+from . import forks, plans
+from .algorithms import Array, reduction_refused
+from .backends import Backend, backend_for
+from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
-from .engine import ON_DEVICE, Engine, Operation
+from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
-from .ordered.engine import OrderedEngine, Posted
+from .keys import Keys, p2p_name
+from .ordered.engine import OrderedEngine
+from .planes import DataPlane
+from .plans import Plan
 from .request import CallbackRunner, Request
-from .transport.frame import MAX_NAME_BYTES, Descriptor
-from .window import WindowError, Windows
+from .window import WindowError, array_layout
 
 __all__ = ["Communicator"]
 
-log = logging.getLogger("asyncreduce.comm")
 log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked for:
 if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=DEBUG),
     log_ops.setLevel(logging.INFO)  # unless the program set this logger's level first
@@ -78,17 +61,18 @@ def _close_forgotten() -> None:
         comm.close()
 
 
-class Communicator:
+class Communicator(BlockingCalls):
     """A group of ``world_size`` ranks that run collectives together (see ``init``).
 
     ``local_rank`` and ``local_world_size``: this rank's place among the ranks on its host
-    (from the launcher, or counted at init), e.g. to pick a GPU."""
+    (from the launcher, or counted at init), e.g. to pick a GPU. Each ``iX`` call starts an
+    operation and returns its ``Request``; ``X`` (blocking.py) is ``iX(...).wait()``."""
 
     def __init__(
         self,
         rank: int,
         world_size: int,
-        engine: Engine | OrderedEngine | None,
+        engine: Engine | OrderedEngine | Backend | None,
         one_host: bool = False,
         cross: CrossMemory | None = None,
         local: tuple[int, int] = (0, 1),
@@ -96,23 +80,15 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.local_rank, self.local_world_size = local  # among the ranks on this host
-        self._engine = engine
-        self._ordered = engine if isinstance(engine, OrderedEngine) else None
-        self._one_host = one_host and engine is not None  # every peer shares memory with us
-        self._cross = cross if self._one_host else None  # ordinary buffers read in place too
-        self._cross_reader: PeerMemory | None = self._cross  # a group: in its numbering
+        self._backend = backend_for(engine, rank, world_size, one_host, cross)
+        self._planes = self._backend.planes  # shared windows and cross-memory attach
         self._clock_origin = time.perf_counter()  # a world of one: now; else set by init
-        self._windows = Windows()
         self._runner = CallbackRunner(f"asyncreduce-callbacks-{rank}")
-        self._key_lock = threading.Lock()
-        self._posted: defaultdict[str, int] = defaultdict(int)
+        self._keys = Keys()
         self._closed = False
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
-        self._members: tuple[int, ...] | None = None  # a group: the engine's rank of each member
-        self._prefix = ""  # a group: what its keys start with
-        self._groups: defaultdict[tuple[int, ...], int] = defaultdict(int)
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -126,10 +102,6 @@ class Communicator:
         self._check_reduction(op, buf)
         return self._post("allreduce", buf, lambda: buf.original, op, 0, name, priority, timeout)
 
-    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
-        """``iallreduce(...).wait()``."""
-        return self.iallreduce(x, op, **kwargs).wait()
-
     def ibroadcast(
         self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
         timeout: float | None = None, inplace: bool = True,
@@ -141,25 +113,13 @@ class Communicator:
             "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
         )
 
-    def broadcast(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
-        """``ibroadcast(...).wait()``."""
-        return self.ibroadcast(x, root, **kwargs).wait()
-
     def iallgather(
         self, x: Any, *, name: str | None = None, priority: int = 0, timeout: float | None = None
     ) -> Request[Any]:
         """Start gathering every rank's ``x``; the result has shape (world_size, *x.shape)."""
         buf = as_buffer(x, "x", inplace=False)
-        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
-        out.reshape(self.world_size, -1)[self.rank] = buf.flat
-        gathered = Buffer(out, out.reshape(-1), out.shape, buf.dtype, buf.like)
-        return self._post(
-            "allgather", gathered, lambda: buf.like(out), None, 0, name, priority, timeout
-        )
-
-    def allgather(self, x: Any, **kwargs: Any) -> Any:
-        """``iallgather(...).wait()``."""
-        return self.iallgather(x, **kwargs).wait()
+        plan = plans.allgather(self.rank, self.world_size, buf)
+        return self._submit(plan, name, priority, timeout)
 
     def ireduce_scatter(
         self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
@@ -173,48 +133,13 @@ class Communicator:
                 f"reduce_scatter needs the first axis of x divisible by "
                 f"world_size={self.world_size}; x has shape {buf.shape}"
             )
-        block = (buf.shape[0] // self.world_size, *buf.shape[1:])
-        mine = buf.flat.reshape(self.world_size, -1)[self.rank].reshape(block)
-        return self._post(
-            "reduce_scatter", buf, lambda: buf.like(mine), op, 0, name, priority, timeout
-        )
-
-    def reduce_scatter(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
-        """``ireduce_scatter(...).wait()``."""
-        return self.ireduce_scatter(x, op, **kwargs).wait()
-
-    def reduce(self, x: Any, op: str = "sum", root: int = 0, **kwargs: Any) -> Any:
-        """``ireduce(...).wait()``."""
-        return self.ireduce(x, op, root, **kwargs).wait()
-
-    def gather(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
-        """``igather(...).wait()``."""
-        return self.igather(x, root, **kwargs).wait()
-
-    def scatter(self, out: Any, source: Any = None, root: int = 0, **kwargs: Any) -> Any:
-        """``iscatter(...).wait()``."""
-        return self.iscatter(out, source, root, **kwargs).wait()
-
-    def alltoall(self, x: Any, **kwargs: Any) -> Any:
-        """``ialltoall(...).wait()``."""
-        return self.ialltoall(x, **kwargs).wait()
-
-    def send(self, x: Any, dst: int, **kwargs: Any) -> None:
-        """``isend(...).wait()``."""
-        self.isend(x, dst, **kwargs).wait()
-
-    def recv(self, x: Any, src: int, **kwargs: Any) -> Any:
-        """``irecv(...).wait()``."""
-        return self.irecv(x, src, **kwargs).wait()
+        plan = plans.reduce_scatter(self.rank, self.world_size, buf, op)
+        return self._submit(plan, name, priority, timeout)
 
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
         buf = as_buffer(_EMPTY, "barrier")
         return self._post("barrier", buf, lambda: None, None, 0, name, 0, timeout)
-
-    def barrier(self, **kwargs: Any) -> None:
-        """``ibarrier(...).wait()``."""
-        self.ibarrier(**kwargs).wait()
 
     def ireduce(
         self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,
@@ -226,7 +151,7 @@ class Communicator:
         buf = as_buffer(x, "x", inplace=self.rank == root)
         self._check_reduction(op, buf)
         result = (lambda: buf.original) if self.rank == root else (lambda: x)
-        return self._submit(_Plan("reduce", buf, result, op, root), name, priority, timeout)
+        return self._submit(Plan("reduce", buf, result, op, root), name, priority, timeout)
 
     def igather(
         self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
@@ -236,14 +161,7 @@ class Communicator:
         (world_size, *x.shape); the other ranks' is None."""
         self._check_root(root)
         buf = as_buffer(x, "x", inplace=False, copy=False)
-        if self.rank != root:
-            plan = self._exchange("gather", buf, {root: buf.flat}, {}, lambda: None, root)
-            return self._submit(plan, name, priority, timeout)
-        out = np.empty((self.world_size, *buf.shape), dtype=buf.flat.dtype)
-        blocks = out.reshape(self.world_size, -1)
-        blocks[root] = buf.flat
-        recvs = {r: blocks[r] for r in range(self.world_size) if r != root}
-        plan = self._exchange("gather", buf, {}, recvs, lambda: buf.like(out), root)
+        plan = plans.gather(self.rank, self.world_size, buf, root)
         return self._submit(plan, name, priority, timeout)
 
     def iscatter(
@@ -254,18 +172,12 @@ class Communicator:
         only: shape (world_size, *out.shape)); the result is ``out``."""
         self._check_root(root)
         buf = as_buffer(out, "out")
-        if self.rank != root:
-            plan = self._exchange("scatter", buf, {}, {root: buf.flat}, lambda: buf.original, root)
-            return self._submit(plan, name, priority, timeout)
-        src = as_buffer(source, "source", inplace=False, copy=False)
-        if src.shape != (self.world_size, *buf.shape) or src.dtype != buf.dtype:
+        src = None if self.rank != root else as_buffer(source, "source", inplace=False, copy=False)
+        want = (self.world_size, *buf.shape)
+        if src is not None and (src.shape != want or src.dtype != buf.dtype):
             raise UsageError(f"scatter's source on the root must be {buf.dtype.name} of shape "
-                             f"{(self.world_size, *buf.shape)}; it is {src.dtype.name} "
-                             f"{src.shape}")  # fmt: skip
-        blocks = src.flat.reshape(self.world_size, -1)
-        buf.flat[:] = blocks[root]
-        sends = {r: blocks[r] for r in range(self.world_size) if r != root}
-        plan = self._exchange("scatter", buf, sends, {}, lambda: buf.original, root)
+                             f"{want}; it is {src.dtype.name} {src.shape}")  # fmt: skip
+        plan = plans.scatter(self.rank, self.world_size, buf, src, root)
         return self._submit(plan, name, priority, timeout)
 
     def ialltoall(
@@ -277,12 +189,7 @@ class Communicator:
         if not buf.shape or buf.shape[0] % self.world_size:
             raise UsageError(f"alltoall needs the first axis of x divisible by "
                              f"world_size={self.world_size}; x has shape {buf.shape}")  # fmt: skip
-        out = np.empty(buf.shape, dtype=buf.flat.dtype)
-        mine, theirs = buf.flat.reshape(self.world_size, -1), out.reshape(self.world_size, -1)
-        theirs[self.rank] = mine[self.rank]
-        others = [r for r in range(self.world_size) if r != self.rank]
-        plan = self._exchange("alltoall", buf, {r: mine[r] for r in others},
-                              {r: theirs[r] for r in others}, lambda: buf.like(out), 0)  # fmt: skip
+        plan = plans.alltoall(self.rank, self.world_size, buf)
         return self._submit(plan, name, priority, timeout)
 
     def isend(
@@ -292,9 +199,8 @@ class Communicator:
         tag=tag)`` (sends with one tag to one rank are received in the order posted)."""
         self._check_peer(dst, "dst")
         buf = as_buffer(x, "x", inplace=False, copy=False)
-        plan = self._exchange("p2p", buf, {dst: buf.flat}, {}, lambda: None, self.rank)
-        plan.tag = tag
-        return self._submit(plan, None, priority, timeout, _p2p_key(self.rank, dst, tag))
+        plan = plans.send(self.rank, self.world_size, buf, dst, tag)
+        return self._submit(plan, None, priority, timeout, p2p_name(self.rank, dst, tag))
 
     def irecv(
         self, x: Any, src: int, *, tag: int = 0, priority: int = 0, timeout: float | None = None
@@ -302,9 +208,8 @@ class Communicator:
         """Start receiving into ``x`` what rank ``src`` sends with ``tag``; the result is ``x``."""
         self._check_peer(src, "src")
         buf = as_buffer(x, "x")
-        plan = self._exchange("p2p", buf, {}, {src: buf.flat}, lambda: buf.original, src)
-        plan.tag = tag
-        return self._submit(plan, None, priority, timeout, _p2p_key(src, self.rank, tag))
+        plan = plans.receive(self.rank, self.world_size, buf, src, tag)
+        return self._submit(plan, None, priority, timeout, p2p_name(src, self.rank, tag))
 
     def _post_exchange(
         self, kind: str, anchor: Any, sends: dict[int, Any], recvs: dict[int, Any], root: int,
@@ -316,7 +221,8 @@ class Communicator:
         out = {r: self._same_kind(as_buffer(x, "output"), buf).flat for r, x in recvs.items()}
         into = {r: self._same_kind(as_buffer(x, "input", inplace=False, copy=False), buf).flat
                 for r, x in sends.items()}  # fmt: skip
-        plan = self._exchange(kind, buf, into, out, lambda: None, root, count)
+        plan = plans.exchange(kind, self.rank, self.world_size, buf, into, out, lambda: None,
+                              root, count)  # fmt: skip
         return self._submit(plan, None, 0, timeout)
 
     def _same_kind(self, buf: Buffer, like: Buffer) -> Buffer:
@@ -336,28 +242,14 @@ class Communicator:
                              f"got {list(members)}")  # fmt: skip
         if self.rank not in members:
             raise UsageError(f"rank {self.rank} is not in the group {list(members)}")
-        if self._ordered is not None:
-            raise UsageError("groups are not offered over backend='mpi' or 'torch' in this "
-                             "release: make the sub-communicator there (MPI Comm.Split, "
-                             "torch's new_group) and init a communicator on it")
-        with self._key_lock:
-            instance = self._groups[members]
-            self._groups[members] = instance + 1
+        backend = self._backend.group(members)  # (UsageError where groups are not offered)
         root = self._parent or self
-        inner = self._members
-        engine_ranks = members if inner is None else tuple(inner[r] for r in members)
-        digest = hashlib.sha1(repr(engine_ranks).encode()).hexdigest()[:12]
-        view = Communicator(members.index(self.rank), len(members), self._engine,
+        view = Communicator(members.index(self.rank), len(members), backend,
                             local=(self.local_rank, self.local_world_size))  # fmt: skip
         view._runner.close()
-        view._runner, view._parent, view._members = root._runner, root, engine_ranks
-        view._prefix = f"{self._prefix}grp-{digest}-{instance}/"
+        view._runner, view._parent = root._runner, root
+        view._keys = self._keys.for_group(members, backend.members)
         view._clock_origin = self._clock_origin
-        if root._one_host and root._cross is not None:  # read the members' memory in place
-            whole = root._engine is None or engine_ranks == tuple(range(root.world_size))
-            view._one_host, view._cross = True, root._cross
-            renumbered = RenumberedMemory(root._cross, engine_ranks)
-            view._cross_reader = root._cross if whole else renumbered
         return view
 
     # ---- shared windows ------------------------------------------------------------------
@@ -387,22 +279,20 @@ class Communicator:
         if self._closed:
             raise ClosedError("shared_empty: the communicator is closed")
         self._check_process("shared_empty")
-        dims, kind = _shape_and_dtype(shape, dtype)
-        if not self._one_host:
+        dims, kind = array_layout(shape, dtype)
+        if not self._planes.offers_windows:
             return np.empty(dims, kind)
-        count = int(np.prod(dims, dtype=np.int64))
         try:
-            raw = self._windows.create(
+            return self._planes.windows.array(
                 self.rank,
-                count * kind.itemsize,
+                dims,
+                kind,
                 lambda record: self.allgather(record, name=_WINDOW, timeout=timeout),
                 lambda: self.barrier(name=_WINDOW, timeout=timeout),
             )
         except WindowError as exc:
             self.abort(f"rank {self.rank}: shared_empty: {exc}")
             raise BrokenError(f"shared_empty on rank {self.rank}: {exc}") from exc
-        shaped: Array = raw.view(kind).reshape(dims)
-        return shaped
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -414,10 +304,9 @@ class Communicator:
         self._closed = True
         if self._forked() or self._parent is not None:
             return
-        if self._engine is not None:
-            self._engine.close()
+        self._backend.close()
         self._runner.close()
-        self._windows.close()
+        self._planes.close()
 
     def abort(self, reason: str = "") -> None:
         """Give up now, on every rank: pending requests here fail with BrokenError, every other
@@ -429,24 +318,19 @@ class Communicator:
         if self._parent is not None:  # a group's failure is its communicator's
             self._parent.abort(reason)
             return
-        if self._engine is not None:
-            self._engine.abort(reason)
+        self._backend.abort(reason)
         self._runner.close()
-        self._windows.close()
+        self._planes.close()
 
     def flight_record(self) -> dict[str, Any]:
         """The last operations of this rank as a JSON-ready dict (see ``asyncreduce.flight``)."""
-        if self._engine is None:
-            return {"rank": 0, "world_size": 1, "records": []}
-        return self._engine.flight.snapshot()
+        return self._backend.flight_record()
 
     def dump_flight_record(self, path: str) -> str:
         """Write ``flight_record()`` as JSON to ``path`` (a file or a directory); return the file.
 
         ``asyncreduce culprit DIR`` reads every rank's dump and names what went wrong."""
-        if self._engine is None:
-            raise UsageError("a world of one records no operations")
-        return self._engine.flight.dump(path)
+        return self._backend.dump_flight_record(path)
 
     @property
     def clock_origin(self) -> float:
@@ -459,7 +343,29 @@ class Communicator:
     @property
     def stall_reports(self) -> list[str]:
         """The stall warnings this rank gave (ASYNCREDUCE_STALL_WARNING), newest last."""
-        return self._engine.stall_reports if self._engine is not None else []
+        return self._backend.stall_reports
+
+    @property
+    def data_plane(self) -> DataPlane:
+        """Which data plane this communicator's operations use, e.g. ``comm.data_plane.engine``
+        ("native", "mpi", "torch (nccl)", "local"), ``.shared_memory`` (every peer through
+        shared-memory arenas), ``.cross_memory`` (large allreduces read the peers' memory in
+        place), ``.windows`` (``shared_empty`` makes shared windows): see ``DataPlane``."""
+        return self._backend.data_plane
+
+    # ---- what tests and diagnostics read (not an API: see data_plane) --------------------
+
+    @property
+    def _engine(self) -> Engine | OrderedEngine | None:
+        return self._backend.engine
+
+    @property
+    def _ordered(self) -> OrderedEngine | None:
+        return self._backend.ordered
+
+    @property
+    def _cross(self) -> CrossMemory | None:
+        return self._planes.cross
 
     def __enter__(self) -> Communicator:
         return self
@@ -492,8 +398,7 @@ class Communicator:
 
     def _on_device(self, x: Any, inplace: bool) -> Buffer | None:
         """A CUDA tensor for an engine that takes it as it is (backend="torch"), else None."""
-        adapter = self._ordered.adapter if self._ordered is not None else None
-        if not getattr(adapter, "devices", False):
+        if not self._backend.devices:
             return None
         buf = device_buffer(x, "x")
         if buf is not None and not inplace:
@@ -516,39 +421,19 @@ class Communicator:
             raise UsageError(f"{what}={peer!r} is not another rank of this communicator "
                              f"(0..{self.world_size - 1}, not {self.rank})")  # fmt: skip
 
-    def _exchange(
-        self, kind: str, buf: Buffer, sends: dict[int, Array], recvs: dict[int, Array],
-        result: Callable[[], Any], root: int, count: int | None = None,
-    ) -> _Plan:  # fmt: skip
-        """A direct exchange of ``sends`` and ``recvs`` (see algorithms/exchange.py)."""
-        algo = Exchange(self.rank, self.world_size, sends, recvs)
-        return _Plan(kind, buf, result, None, root, algo, count, sends, recvs)
-
-    def _next_key(self, name: str | None) -> tuple[bytes, int]:
-        if name is not None and (not isinstance(name, str) or not name):
-            raise UsageError(f"name must be a non-empty string or None, got {name!r}")
-        name = self._prefix + (name or "")
-        wire = name.encode()
-        if len(wire) > MAX_NAME_BYTES:
-            raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
-        with self._key_lock:
-            instance = self._posted[name]
-            self._posted[name] = instance + 1
-        return wire, instance
-
     def _post(
         self, kind: str, buf: Buffer, result: Any, op: str | None, root: int,
         name: str | None, priority: int, timeout: float | None,
     ) -> Request[Any]:  # fmt: skip
-        return self._submit(_Plan(kind, buf, result, op, root), name, priority, timeout)
+        return self._submit(Plan(kind, buf, result, op, root), name, priority, timeout)
 
     def _submit(
-        self, plan: _Plan, name: str | None, priority: int, timeout: float | None,
+        self, plan: Plan, name: str | None, priority: int, timeout: float | None,
         key_name: str | None = None,
     ) -> Request[Any]:  # fmt: skip
-        """Number, describe and start one operation. ``key_name``: the key's name when it is
-        not the user's ``name`` (point-to-point)."""
-        kind, buf = plan.kind, plan.buf
+        """Number and start one operation. ``key_name``: the key's name when it is not the
+        user's ``name`` (point-to-point)."""
+        kind = plan.kind
         if not isinstance(priority, int):
             raise UsageError(f"priority must be an int, got {priority!r}")
         if timeout is not None and not timeout > 0:
@@ -558,119 +443,9 @@ class Communicator:
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
         self._check_process(kind)
-        key = self._next_key(name if key_name is None else key_name)
+        key = self._keys.next(name if key_name is None else key_name)
         label = f"{kind} {name or key_name!r}#{key[1]}" if name or key_name else f"{kind} #{key[1]}"
-        reduce = REDUCTION_CODES[plan.op] if plan.op else 0
-        if self._ordered is not None:
-            return self._submit_ordered(plan, key, label, reduce, priority, timeout)
-        root, algo = plan.root, plan.algo
-        if algo is None:
-            plane = self._shared_plane(kind, buf)
-            root, shared = plane if plane is not None else (root, None)
-            algo = build(kind, self.rank, self.world_size, buf.flat, buf.dtype, plan.op or "sum",
-                         plan.root, shared)  # fmt: skip
-        count = buf.flat.size if plan.count is None else plan.count
-        desc = Descriptor(KINDS[kind], buf.dtype.code, reduce, root, count)
-        engine, members = self._engine, self._members
-        whole = engine is None or members == tuple(range(engine.world_size))  # names alone
-        if members is not None and engine is not None and not whole:
-            algo = Translated(algo, members, engine.rank, engine.world_size)
         request: Request[Any] = Request(label, self._runner)
-        if log_ops.isEnabledFor(logging.DEBUG):
-            log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
-        if self._engine is None:  # a world of one: nothing to talk to
-            algo.start()
-            request.set_result(plan.result())
-            return request
-        operation = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
-        assert isinstance(self._engine, Engine)
-        self._engine.submit(operation)
+        self._backend.submit(plan, key, label, priority, timeout, request)
         return request
 
-    def _submit_ordered(
-        self, plan: _Plan, key: tuple[bytes, int], label: str, reduce: int, priority: int,
-        timeout: float | None,
-    ) -> Request[Any]:  # fmt: skip
-        """Hand an operation to an ordered engine (MPI, torch.distributed): it runs there as
-        an engine call once every rank posted it (see ordered/)."""
-        assert self._ordered is not None
-        buf = plan.buf
-        adapter = self._ordered.adapter
-        refuses = getattr(adapter, "refuses", None)
-        why = refuses(plan.kind, buf.dtype, plan.op) if refuses is not None else None
-        if why is not None:
-            raise UsageError(f"{label}: {why}")
-        most = getattr(adapter, "max_tag", None)
-        if plan.tag is not None and most is not None and plan.tag > most:
-            raise UsageError(f"tag={plan.tag} is above what this engine takes ({most})")
-        if not -(1 << 63) <= priority < 1 << 63:
-            raise UsageError(f"priority must fit in 64 bits, got {priority}")
-        count = buf.flat.size if plan.count is None else plan.count
-        code = buf.dtype.code + (ON_DEVICE if not isinstance(buf.flat, np.ndarray) else 0)
-        desc = Descriptor(KINDS[plan.kind], code, reduce, plan.root, count)
-        request: Request[Any] = Request(label, self._runner)
-        if log_ops.isEnabledFor(logging.DEBUG):
-            log_ops.debug("rank %d posts %s: %s", self.rank, label, desc)
-        posted = Posted(key, label, desc, plan.kind, buf.flat, buf.dtype, plan.op, plan.root,
-                        request, plan.result, priority, timeout, plan.sends, plan.recvs, plan.tag)
-        self._ordered.submit(posted)
-        return request
-
-    def _shared_plane(self, kind: str, buf: Buffer) -> tuple[int, tuple[int, PeerMemory]] | None:
-        """An allreduce that reads the peers' memory in place: (descriptor root, (what READY
-        says, how peers are read)), or None for the message-passing algorithms."""
-        if kind != "allreduce" or buf.flat.nbytes <= SMALL_ALLREDUCE_BYTES:  # small: doubling
-            return None
-        found = self._windows.find(buf.flat) if self._windows else None
-        if found is not None:  # the window's number in the descriptor: all ranks agree
-            window, offset = found
-            return window.ident, (offset, window.memory)
-        if self._cross_reader is not None and buf.flat.nbytes >= CROSS_MEMORY_BYTES:
-            assert self._cross is not None
-            return CROSS_MEMORY, (self._cross.announce(buf.flat), self._cross_reader)
-        return None
-
-
-def _p2p_key(src: int, dst: int, tag: int) -> str:
-    if not isinstance(tag, int) or not 0 <= tag < 2**63:
-        raise UsageError(f"tag must be a non-negative int, got {tag!r}")
-    return f"p2p:{src}>{dst}:{tag}"
-
-
-@dataclass
-class _Plan:
-    """What ``_submit`` needs of one operation: its kind, buffer (dtype and count, and the data
-    of the built-in algorithms), how to hand the result back, and for direct exchanges the
-    algorithm itself and the count every rank must agree on."""
-
-    kind: str
-    buf: Buffer
-    result: Callable[[], Any]
-    op: str | None = None
-    root: int = 0
-    algo: Collective | None = None
-    count: int | None = None
-    sends: dict[int, Array] | None = None  # a direct exchange's own buffers (ordered engines)
-    recvs: dict[int, Array] | None = None
-    tag: int | None = None  # point-to-point
-
-
-def _shape_and_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """Checked arguments of shared_empty (before anything collective happens)."""
-    try:
-        kind = np.dtype(dtype)
-    except TypeError as exc:
-        raise UsageError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
-    if kind.hasobject or kind.itemsize == 0:
-        raise UsageError(f"dtype {kind} cannot live in shared memory; use a numeric dtype")
-    try:
-        dims = (
-            (operator.index(shape),)
-            if not isinstance(shape, Sequence)
-            else tuple(operator.index(d) for d in shape)
-        )
-    except TypeError:
-        raise UsageError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise UsageError(f"shape must be non-negative, got {dims}")
-    return dims, kind

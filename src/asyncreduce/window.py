@@ -16,17 +16,20 @@ window: ``shared_empty`` returns an ordinary array and allreduces take the usual
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .algorithms import Array, WindowMemory
+from .errors import UsageError
 from .transport.shm import create_segment, open_segment
 
-__all__ = ["WindowError", "Windows"]
+__all__ = ["WindowError", "Windows", "array_layout"]
 
 #: One rank's entry in the allgather: its file's size and the window's number (8 bytes each),
 #: then the file's path (NUL-padded).
@@ -133,6 +136,16 @@ class Windows:
                 raise WindowError(f"could not map rank {peer}'s window: {exc}") from exc
         return peers
 
+    def array(
+        self, rank: int, dims: tuple[int, ...], kind: np.dtype[Any],
+        exchange: Callable[[Array], Array], barrier: Callable[[], None],
+    ) -> Array:  # fmt: skip
+        """A new array of shape ``dims`` and dtype ``kind`` in a new window (``create``)."""
+        count = int(np.prod(dims, dtype=np.int64))
+        raw = self.create(rank, count * kind.itemsize, exchange, barrier)
+        shaped: Array = raw.view(kind).reshape(dims)
+        return shaped
+
     def find(self, flat: Array) -> tuple[Window, int] | None:
         """The window ``flat`` lies in and its offset there, or None."""
         if not flat.flags.c_contiguous:
@@ -151,3 +164,25 @@ class Windows:
         """Forget every window: its memory goes once no array of the caller's uses it."""
         with self._lock:
             self._windows.clear()
+
+
+def array_layout(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """Checked arguments of shared_empty (before anything collective happens): its shape
+    and a dtype that can live in shared memory; UsageError for others."""
+    try:
+        kind = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
+    if kind.hasobject or kind.itemsize == 0:
+        raise UsageError(f"dtype {kind} cannot live in shared memory; use a numeric dtype")
+    try:
+        dims = (
+            (operator.index(shape),)
+            if not isinstance(shape, Sequence)
+            else tuple(operator.index(d) for d in shape)
+        )
+    except TypeError:
+        raise UsageError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise UsageError(f"shape must be non-negative, got {dims}")
+    return dims, kind

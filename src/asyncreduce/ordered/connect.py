@@ -115,11 +115,10 @@ def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
             "must fuse alike, or they issue different engine calls"
         )
     comm._clock_origin = time.perf_counter()
-    assert engine.adapter is not None
-    control = type(engine.adapter.endpoint).__name__.replace("Endpoint", "").lower()
+    plane = comm.data_plane
     log.info("rank %d of %d joined over backend=%r: the %s engine, control messages on %s, "
              "allreduces fused up to %d bytes", comm.rank, comm.world_size, backend,
-             engine.adapter.name, control, engine.fusion_bytes)  # fmt: skip
+             plane.engine, plane.control, engine.fusion_bytes)  # fmt: skip
     return comm
 
 

@@ -16,104 +16,42 @@ the last event and every ``_POLL`` seconds after that.
 Failure is sticky as in the native engine: the first failure (a mismatch found in the
 agreement, a per-call timeout, an engine error, a silent or departed peer, ``abort``) fails
 every pending request here with ``BrokenError`` chained to it, and a BREAK message tells the
-other ranks, which fail the same operation with the same class. Engine calls already issued
-cannot be taken back (MPI has no cancel for collectives): after a break they are abandoned.
+other ranks, which fail the same operation with the same class (failure.py). Engine calls
+already issued cannot be taken back (MPI has no cancel for collectives): after a break they
+are abandoned. Fusion is in fusion.py; heartbeats, deadlines and stalls in liveness.py.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ..algorithms import DType
-from ..algorithms.reduction import finalize
 from ..engine import Settings, broken_by, describe
 from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
 from ..flight import FlightRecorder, Record
-from ..request import Request
-from ..transport.frame import Descriptor
+from ..keys import Key
 from .agreement import Agreed, Agreement, Entry
-from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel, Endpoint
+from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel
+from .failure import break_error, break_message, read_break, run_on_scratch
+from .fusion import FUSION_BYTES, Call, complete, fuse, fusion_bytes_from_env, pack
+from .liveness import Liveness
+from .posted import Adapter, Posted, Running
 
 __all__ = ["OrderedEngine", "Posted", "Adapter", "Running", "FUSION_BYTES"]
 
 log = logging.getLogger("asyncreduce.ordered")
-Key = tuple[bytes, int]
 _POLL, _POLL_MAX = 50e-6, 500e-6  # seconds between polls past the spin: doubling while
 # nothing moves (a long transfer over TCP needs little attention; every test costs CPU the
 # caller's computation could use: bench overlap --hosts), back to the least at each event
 _LINGER = 2.0
-#: Agreed allreduces up to this many bytes each, of one dtype and reduction, run as one engine
-#: call of up to this many bytes (ASYNCREDUCE_FUSION_BYTES; 0: never). Chosen by measurement:
-#: docs/engines.md.
-FUSION_BYTES = 64 << 10
-_ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
-_ERROR_CODES = {cls: code for code, cls in _ERROR_CLASSES.items()}
-_BREAK_HEAD = struct.Struct("<BHQ")  # error class code, key name length, key instance
 _ABANDONED: list[Any] = []  # calls still in the engine when their thread ended: kept alive
-
-
-@dataclass(eq=False)
-class Posted:
-    """One operation as the caller posted it: what the engine call needs, and the request."""
-
-    key: Key
-    label: str
-    desc: Descriptor
-    kind: str
-    flat: Any  # the caller's memory: a flat numpy array, or a torch tensor on a device
-    dtype: DType
-    op: str | None
-    root: int
-    request: Request[Any]
-    result: Callable[[], Any]
-    priority: int = 0
-    timeout: float | None = None
-    sends: dict[int, Any] | None = None  # exchanges and point-to-point: {peer: flat array}
-    recvs: dict[int, Any] | None = None
-    tag: int | None = None  # point-to-point only
-    ready: Any = None  # a CUDA event recorded on the producer's stream at post
-    record: Record | None = field(default=None, init=False)
-    started: float = field(default_factory=time.monotonic, init=False)
-
-
-class Running(Protocol):
-    """An engine call in flight: ``done`` tests it without blocking and raises its failure."""
-
-    def done(self) -> bool: ...
-
-
-class Adapter(Protocol):
-    """What an engine offers the ordered engine (mpi.py, torchdist.py)."""
-
-    name: str
-    endpoint: Endpoint
-
-    def start(self, op: Posted, flat: Any) -> Running:
-        """Issue ``op``'s call over ``flat`` (its memory, or a fused scratch of several)."""
-        ...
-
-    def close(self, pending: bool) -> None:
-        """Release the engine's resources (``pending``: calls are still in it)."""
-        ...
-
-
-@dataclass(eq=False)
-class _Call:
-    ops: list[Posted]
-    running: Running
-    scratch: Any = None  # fused: the packed buffer
 
 
 class OrderedEngine:
@@ -127,9 +65,10 @@ class OrderedEngine:
     ) -> None:  # fmt: skip
         self.settings = settings or Settings()
         self.rank, self.world_size = rank, world_size
-        self.fusion_bytes = _fusion_bytes() if fusion_bytes is None else fusion_bytes
+        self.fusion_bytes = fusion_bytes_from_env() if fusion_bytes is None else fusion_bytes
         self.flight = FlightRecorder(rank, world_size, self.settings.flight_records, describe)
-        self.stall_reports: list[str] = []
+        self._liveness = Liveness(rank, self.settings.peer_timeout, self.settings.stall_warning)
+        self.stall_reports = self._liveness.stall_reports
         self.adapter: Adapter | None = None
         self.calls = 0  # engine calls issued (fusion makes this smaller than the operations)
         self._queue: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()
@@ -140,14 +79,7 @@ class OrderedEngine:
         self._departed: dict[int, str] = {}
         self._agreement = Agreement(rank, world_size)
         self._posted: dict[Key, Posted] = {}  # not yet agreed (collectives)
-        self._calls: list[_Call] = []
-        self._deadlines: list[tuple[float, int, Posted]] = []
-        self._order = itertools.count()
-        self._peer_timeout = self.settings.peer_timeout
-        self._beat_every = min(1.0, max(0.02, self._peer_timeout / 40))
-        self._last_beat = 0.0
-        self._heard: dict[int, float] = {}
-        self._warned: dict[Key, float] = {}
+        self._calls: list[Call] = []
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -208,8 +140,7 @@ class OrderedEngine:
             self._start_error = exc
             self._started.set()
             return
-        now = time.monotonic()
-        self._heard = {p: now for p in range(self.world_size) if p != self.rank}
+        self._liveness.start(self.world_size, time.monotonic())
         self._started.set()
         try:
             self._loop()
@@ -220,7 +151,6 @@ class OrderedEngine:
         finally:
             with self._lock:
                 self._closed = True
-            self._fail_queued()
             self._fail_left()
             if self._calls:  # MPI may still read or write their memory: never free it
                 _ABANDONED.extend(self._calls)
@@ -251,7 +181,8 @@ class OrderedEngine:
         if not block and self._queue.empty():  # (the common case, without an exception)
             return False, False
         try:
-            item = self._queue.get(timeout=self._beat_every) if block else self._queue.get_nowait()
+            beat = self._liveness.beat_every
+            item = self._queue.get(timeout=beat) if block else self._queue.get_nowait()
             while True:
                 if item is None:
                     return True, took
@@ -271,8 +202,7 @@ class OrderedEngine:
             self._break(BrokenError(f"{why} while rank {self.rank} had {op.label} pending"))
             return
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, time.time()))
-        if op.timeout is not None:
-            heapq.heappush(self._deadlines, (op.started + op.timeout, next(self._order), op))
+        self._liveness.watch(op)
         if op.kind == "p2p":  # matched by the engine itself, by source and tag, in order
             self._issue([op])
             return
@@ -297,7 +227,7 @@ class OrderedEngine:
         moved = False
         for peer, kind, body in self._channel.poll():
             moved = True
-            self._heard[peer] = time.monotonic()
+            self._liveness.heard[peer] = time.monotonic()
             if kind == ROUND:
                 self._send_rounds(self._agreement.receive(peer, body))
             elif kind == GOODBYE:
@@ -316,7 +246,7 @@ class OrderedEngine:
         ops = []
         for a in agreed:
             op = self._posted.pop(a.key, None)
-            self._warned.pop(a.key, None)
+            self._liveness.agreed(a.key)
             if op is None:  # cannot happen: every agreed key was posted here
                 log.error("rank %d: agreed %r was never posted here", self.rank, a.key)
                 continue
@@ -327,24 +257,21 @@ class OrderedEngine:
                     f"but rank {other} posted {describe(theirs)}"))  # fmt: skip
                 continue
             ops.append(op)
-        for group in _fuse(ops, self.fusion_bytes):
+        for group in fuse(ops, self.fusion_bytes):
             self._issue(group)
 
     def _issue(self, group: list[Posted]) -> None:
         assert self.adapter is not None
         first = group[0]
-        scratch = _pack(group) if len(group) > 1 else None
+        scratch = pack(group)
         try:
             running = self.adapter.start(first, first.flat if scratch is None else scratch)
         except Exception as exc:
-            error = BrokenError(f"{first.label}: the {self.adapter.name} engine refused it on "
-                                f"rank {self.rank}: {exc}")  # fmt: skip
-            for op in group:
-                self._fail(op, error)
-            self._break(error, first)
+            why = f"the {self.adapter.name} engine refused it on rank {self.rank}: {exc}"
+            self._fail_call(group, BrokenError(f"{first.label}: {why}"))
             return
         self.calls += 1
-        self._calls.append(_Call(group, running, scratch))
+        self._calls.append(Call(group, running, scratch))
 
     def _poll_calls(self) -> bool:
         moved = False
@@ -355,37 +282,15 @@ class OrderedEngine:
                 self._calls.remove(call)
                 name = self.adapter.name if self.adapter else "engine"
                 cls = MismatchError if isinstance(exc, MismatchError) else BrokenError
-                error = cls(f"{call.ops[0].label}: the {name} engine failed on rank "
-                            f"{self.rank}: {exc}")  # fmt: skip
-                for op in call.ops:
-                    self._fail(op, error)
-                self._break(error, call.ops[0])
+                self._fail_call(call.ops, cls(f"{call.ops[0].label}: the {name} engine failed "
+                                              f"on rank {self.rank}: {exc}"))  # fmt: skip
                 return True
             if finished:
                 moved = True
                 self._calls.remove(call)
-                self._complete(call)
+                complete(call, self.world_size, self.flight)
                 os.sched_yield()  # let the waiter take the GIL now, not at the next switch
         return moved
-
-    def _complete(self, call: _Call) -> None:
-        at = 0
-        for op in call.ops:
-            n, at = op.flat.size, at + op.flat.size
-            if op.request.done():  # failed meanwhile: it ran for the peers' sake; its memory
-                continue  # is no longer the caller's to write
-            if call.scratch is not None:
-                op.flat[...] = call.scratch[at - n : at]
-            if op.op == "avg" and isinstance(op.flat, np.ndarray):
-                finalize(op.dtype, op.op, op.flat, self.world_size)
-            if op.record is not None:
-                self.flight.finish(op.record, None)
-            try:
-                value = op.result()
-            except Exception as exc:
-                op.request.set_exception(exc)
-                continue
-            op.request.set_result(value)
 
     # ---- failure -----------------------------------------------------------------------------
 
@@ -394,17 +299,18 @@ class OrderedEngine:
         self._fail(op, error)
         self._break(error, op)
 
+    def _fail_call(self, ops: list[Posted], error: BaseException) -> None:
+        """Fail every operation of one engine call (that failed, or never started); break."""
+        for op in ops:
+            self._fail(op, error)
+        self._break(error, ops[0])
+
     def _fail(self, op: Posted, error: BaseException) -> None:
         """Fail ``op``'s request. Peers may still agree it (this rank offered it), and then
         they need this rank in the engine call: it stays posted, on a scratch copy, so the
         caller's memory is free from now on; an op issued already stays in the engine."""
         if op.key in self._posted and not op.request.done():
-            try:
-                op.flat = _scratch(op.flat, op.ready)
-                op.sends = {p: _scratch(a) for p, a in (op.sends or {}).items()}
-                op.recvs = {p: _scratch(a) for p, a in (op.recvs or {}).items()}
-            except Exception as exc:  # (out of memory): then it cannot run for anybody
-                log.error("rank %d: no scratch copy of %s: %s", self.rank, op.label, exc)
+            run_on_scratch(op, self.rank)  # (failure.py: it stays offered, for the peers)
         if op.record is not None and op.record.state == "pending":
             self.flight.finish(op.record, error)
         if not op.request.done():
@@ -416,13 +322,9 @@ class OrderedEngine:
                 return
             self._broken = error
         self.flight.broken = f"{type(error).__name__}: {error}"
-        pending = list(self._posted.values()) + [op for c in self._calls for op in c.ops]
-        for op in pending:  # (engine calls go on: MPI has no cancel, and peers are in them)
+        for op in self._pending():  # (engine calls go on: MPI has no cancel, peers are in them)
             self._fail(op, broken_by(op, error))
-        name, instance = about.key if about is not None else (b"", 0)
-        code = _ERROR_CODES.get(type(error), 3)  # type: ignore[arg-type]
-        body = _BREAK_HEAD.pack(code, len(name), instance) + name + str(error).encode()[:4096]
-        self._tell_all(BREAK, body)
+        self._tell_all(BREAK, break_message(error, about.key if about is not None else None))
         if self.settings.flight_dir:
             try:
                 self.flight.dump(self.settings.flight_dir)
@@ -430,17 +332,9 @@ class OrderedEngine:
                 log.warning("rank %d could not write its flight record: %s", self.rank, exc)
 
     def _on_break(self, peer: int, body: bytes) -> None:
-        if len(body) < _BREAK_HEAD.size:
-            raise BrokenError(f"rank {peer} sent a BREAK message of {len(body)} bytes")
-        code, size, instance = _BREAK_HEAD.unpack_from(body)
-        name = body[_BREAK_HEAD.size : _BREAK_HEAD.size + size]
-        reason = body[_BREAK_HEAD.size + size :].decode(errors="replace")
-        cls = _ERROR_CLASSES.get(code, BrokenError)
-        op = self._live((name, instance)) or next(
-            (o for c in self._calls for o in c.ops if o.key == (name, instance)), None
-        )
-        error = cls(f"{op.label if op else 'an operation'} failed on rank {peer}: {reason}"
-                    if code != 3 else f"rank {peer} broke: {reason}")  # fmt: skip
+        code, key, reason = read_break(peer, body)
+        op = self._live(key) or next((o for c in self._calls for o in c.ops if o.key == key), None)
+        error = break_error(code, peer, op.label if op is not None else None, reason)
         if op is not None:
             self._fail(op, error)
         self._break(error)
@@ -456,21 +350,20 @@ class OrderedEngine:
     # ---- time --------------------------------------------------------------------------------
 
     def _housekeeping(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, op = heapq.heappop(self._deadlines)
+        liveness = self._liveness
+        while (op := liveness.next_expired(now)) is not None:
             if not op.request.done():
                 self._fail_everywhere(op, TimeoutError(
                     f"{op.label} did not complete within its timeout of {op.timeout} s on "
                     f"rank {self.rank} ({self._waiting_for(op)})"))  # fmt: skip
-        if now - self._last_beat >= self._beat_every:
-            self._last_beat = now
+        if liveness.beat_due(now):
             self._tell_all(BEAT)
             self._check_liveness(now)
-            self._inspect_stalls(now)
+            liveness.inspect_stalls(now, self._posted, self._waiting_for)
 
     def _tell_all(self, kind: int, body: bytes = b"") -> None:
         """``kind`` to every peer still here; a channel that failed only loses the message."""
-        for peer in self._heard:
+        for peer in self._liveness.heard:
             if peer not in self._departed:
                 try:
                     self._channel.send(peer, kind, body)
@@ -482,20 +375,16 @@ class OrderedEngine:
         op = self._posted.get(key)
         return op if op is not None and not op.request.done() else None
 
+    def _pending(self) -> list[Posted]:
+        """Every operation not yet agreed, or in an engine call."""
+        return [*self._posted.values(), *(o for c in self._calls for o in c.ops)]
+
     def _check_liveness(self, now: float) -> None:
         if self._broken is not None or not (self._posted or self._calls):
             return
-        silent = [
-            p
-            for p, t in self._heard.items()
-            if p not in self._departed and now - t > self._peer_timeout + self._beat_every
-        ]
-        if silent:  # what waits fails with the TimeoutError itself, as natively
-            why = (
-                f"rank {self.rank} heard nothing from {ranks_phrase(silent)} for "
-                f"{self._peer_timeout} s (ASYNCREDUCE_PEER_TIMEOUT): dead or stopped?"
-            )
-            for op in [*self._posted.values(), *(o for c in self._calls for o in c.ops)]:
+        why = self._liveness.silence(now, self._departed)
+        if why is not None:  # what waits fails with the TimeoutError itself, as natively
+            for op in self._pending():
                 self._fail(op, TimeoutError(f"{op.label}: {why}"))
             self._break(TimeoutError(why))
 
@@ -504,20 +393,6 @@ class OrderedEngine:
             missing = set(range(self.world_size)) - self._agreement.posted_by(op.key)
             return f"not posted by {ranks_phrase(missing)}"
         return "agreed; the engine has not finished it"
-
-    def _inspect_stalls(self, now: float) -> None:
-        after = self.settings.stall_warning
-        if after <= 0:
-            return
-        for key, op in self._posted.items():
-            due = now - op.started >= after and now - self._warned.get(key, -1e18) >= after
-            if due and not op.request.done():
-                self._warned[key] = now
-                message = (f"stall: {op.label} posted on rank {self.rank} "
-                           f"{now - op.started:.0f} s ago; {self._waiting_for(op)}")  # fmt: skip
-                self.stall_reports.append(message)
-                del self.stall_reports[:-100]
-                log.warning("%s", message)
 
     # ---- closing -----------------------------------------------------------------------------
 
@@ -542,27 +417,25 @@ class OrderedEngine:
         # Until every peer said goodbye too (or the linger passed), keep answering rounds and
         # running what they agree: a peer may have agreed one of ours before it heard ours.
         while time.monotonic() < deadline + linger and (
-            len(self._departed) < len(self._heard) or self._calls
+            len(self._departed) < len(self._liveness.heard) or self._calls
         ):
             if not (self._poll_channel() | self._poll_calls()):
                 time.sleep(_POLL if self._calls else 1e-3)
         self._channel.drain_sends(linger)
 
-    def _fail_queued(self) -> None:
-        """Fail what was submitted but never taken (the thread is ending)."""
+    def _fail_left(self) -> None:
+        """Fail every request still pending as the thread ends (a crash, a failed break), and
+        what was submitted but never taken."""
+        cause = self._broken or ClosedError("the communicator was closed")
+        left = []
         while True:
             try:
-                op = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
-                return
-            if op is not None and not op.request.done():
-                cause = self._broken or ClosedError("the communicator was closed")
-                op.request.set_exception(broken_by(op, cause))
-
-    def _fail_left(self) -> None:
-        """Fail every request still pending as the thread ends (a crash, a failed break)."""
-        cause = self._broken or ClosedError("the communicator was closed")
-        for op in [*self._posted.values(), *(o for c in self._calls for o in c.ops)]:
+                break
+            if item is not None:
+                left.append(item)
+        for op in [*left, *self._pending()]:
             if not op.request.done():
                 op.request.set_exception(broken_by(op, cause))
 
@@ -573,47 +446,3 @@ class OrderedEngine:
             except Exception as exc:
                 log.debug("closing the %s adapter: %s", self.adapter.name, exc)
 
-
-def _fusion_bytes() -> int:
-    text = os.environ.get("ASYNCREDUCE_FUSION_BYTES")
-    if not text:
-        return FUSION_BYTES
-    from ..engine import _env_number
-
-    return int(_env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0))
-
-
-def _fuse(ops: list[Posted], limit: int) -> list[list[Posted]]:
-    """Agreed operations as engine calls: small host allreduces of one dtype and reduction
-    together (in the agreed order of their first member), everything else alone."""
-    groups: list[list[Posted]] = []
-    open_: dict[tuple[int, str | None], tuple[list[Posted], int]] = {}
-    for op in ops:
-        size = op.flat.nbytes if isinstance(op.flat, np.ndarray) else limit + 1
-        if op.kind != "allreduce" or size > limit or limit == 0:
-            groups.append([op])
-            continue
-        kind = (op.dtype.code, op.op)
-        group, total = open_.get(kind, (None, 0))
-        if group is None or total + size > limit:
-            group, total = [], 0
-            groups.append(group)
-        group.append(op)
-        open_[kind] = (group, total + size)
-    return groups
-
-
-def _scratch(flat: Any, ready: Any = None) -> Any:
-    """A copy of an operation's memory to run it on once its caller has been told it failed
-    (a device tensor: copied after its producer's kernels, on this thread's stream)."""
-    if isinstance(flat, np.ndarray):
-        return flat.copy()
-    if ready is not None:
-        import torch
-
-        torch.cuda.current_stream(flat.device).wait_event(ready)
-    return flat.clone()
-
-
-def _pack(group: list[Posted]) -> Any:
-    return np.concatenate([op.flat for op in group])

@@ -27,7 +27,7 @@ from ..algorithms import DType
 from ..algorithms.reduction import combine
 from ..errors import MismatchError, UsageError
 from .channel import Endpoint
-from .engine import Posted, Running
+from .posted import Posted, Running
 
 __all__ = ["MpiAdapter", "check_thread_level"]
 

@@ -24,8 +24,8 @@ import numpy as np
 from ..algorithms import DType
 from ..errors import UsageError
 from .channel import Endpoint
-from .engine import Posted, Running
 from .native import NativeEndpoint
+from .posted import Posted, Running
 
 __all__ = ["TorchAdapter", "refused"]
 

@@ -1,0 +1,133 @@
+"""What a communicator needs from the thing that runs its operations: the backend interface.
+
+Theory of operation. The communicator checks a call's arguments, gives the operation its key
+and label and makes its ``Request``; everything after that is the backend's: it turns the
+``Plan`` (kind, buffer, reduction, root, for direct exchanges the peers' blocks) into what its
+engine runs, and completes the request. A backend also closes and aborts, says whether (and
+why) it broke, keeps the stall warnings and the flight record, and says which data plane its
+operations use. There is one backend per kind of engine: ``LocalBackend`` (a world of one:
+nothing to talk to), ``NativeBackend`` (our own engine, key-matched, over TCP or shared
+memory) and ``OrderedBackend`` (engines that need one order on every rank: MPI,
+torch.distributed; see ordered/).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..flight import FlightRecorder
+from ..keys import Key
+from ..planes import DataPlane, SharedPlanes
+from ..plans import Plan
+from ..request import Request
+from ..transport.frame import Descriptor
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..ordered.engine import OrderedEngine
+
+__all__ = ["Backend", "EngineBackend", "log_post"]
+
+log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked (see comm.py)
+
+
+class Backend(Protocol):
+    """What runs a communicator's operations (this module's docstring)."""
+
+    #: True where CUDA tensors are taken as they are (backend="torch"), not staged.
+    devices: bool
+    #: The engine's rank of each of the communicator's ranks (a group: its members).
+    members: tuple[int, ...]
+    #: The same-host memory its allreduces may read in place (and shared_empty's windows).
+    planes: SharedPlanes
+
+    @property
+    def engine(self) -> Engine | OrderedEngine | None:
+        """The engine object, for diagnostics (None in a world of one)."""
+
+    @property
+    def ordered(self) -> OrderedEngine | None:
+        """The ordered engine, where this backend is one (diagnostics, torch staging)."""
+
+    def submit(
+        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
+        request: Request[Any],
+    ) -> None:  # fmt: skip
+        """Start ``plan`` as operation ``key``; ``request`` gets its result or error.
+        UsageError for what this backend cannot run (before anything starts)."""
+
+    def group(self, members: tuple[int, ...]) -> Backend:
+        """The backend of a group of ``members`` (ranks of this backend's communicator)."""
+
+    def close(self) -> None:
+        """Fail what is pending with ClosedError, say goodbye, release everything."""
+
+    def abort(self, reason: str) -> None:
+        """Break every rank's communicator now, with ``reason``."""
+
+    @property
+    def broken(self) -> BaseException | None:
+        """What broke the communicator, or None."""
+
+    @property
+    def stall_reports(self) -> list[str]:
+        """The stall warnings given, newest last."""
+
+    @property
+    def data_plane(self) -> DataPlane:
+        """Which data plane the operations use."""
+
+    def flight_record(self) -> dict[str, Any]:
+        """The last operations as a JSON-ready dict (see ``asyncreduce.flight``)."""
+
+    def dump_flight_record(self, path: str) -> str:
+        """Write ``flight_record()`` to ``path`` (a file or a directory); return the file."""
+
+
+class _Runs(Protocol):
+    """What the native and the ordered engine both offer."""
+
+    flight: FlightRecorder
+
+    def close(self) -> None: ...
+
+    def abort(self, reason: str = "") -> None: ...
+
+    @property
+    def broken(self) -> BaseException | None: ...
+
+    @property
+    def stall_reports(self) -> list[str]: ...
+
+
+class EngineBackend:
+    """The part of a backend that only passes calls on to its engine's thread."""
+
+    _runs: _Runs
+
+    def close(self) -> None:
+        self._runs.close()
+
+    def abort(self, reason: str) -> None:
+        self._runs.abort(reason)
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self._runs.broken
+
+    @property
+    def stall_reports(self) -> list[str]:
+        return self._runs.stall_reports
+
+    def flight_record(self) -> dict[str, Any]:
+        return self._runs.flight.snapshot()
+
+    def dump_flight_record(self, path: str) -> str:
+        return self._runs.flight.dump(path)
+
+
+def log_post(rank: int, label: str, desc: Descriptor) -> None:
+    """The ``asyncreduce.ops`` DEBUG line of one posted operation."""
+    if log_ops.isEnabledFor(logging.DEBUG):
+        log_ops.debug("rank %d posts %s: %s", rank, label, desc)

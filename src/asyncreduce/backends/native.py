@@ -1,0 +1,127 @@
+"""The native backend: operations as our own engine's state machines, matched by key.
+
+Theory of operation. An operation becomes an algorithm built for the communicator's own
+numbering (``build``: doubling, ring, tree, ...; a direct exchange comes built), over the
+caller's memory. A large allreduce on one host reads the peers' memory in place instead, from
+a shared window or by cross-memory attach (planes.py); the descriptor's ``root`` says which,
+so every rank runs the same one. A group's algorithm is wrapped (``Translated``) so the engine
+sees the ranks it knows. The ``Operation`` then goes to the engine's thread (engine.py), which
+matches it with the peers' by key and completes the request. In a world of one there is no
+engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..algorithms import Collective, Translated, build
+from ..engine import Engine, Operation
+from ..errors import UsageError
+from ..keys import Key
+from ..planes import DataPlane, SharedPlanes
+from ..plans import Plan
+from ..request import Request
+from ..transport.frame import Descriptor
+from .base import EngineBackend, log_post
+
+if TYPE_CHECKING:
+    from ..ordered.engine import OrderedEngine
+
+__all__ = ["LocalBackend", "NativeBackend"]
+
+
+def built(
+    plan: Plan, rank: int, world_size: int, planes: SharedPlanes
+) -> tuple[Collective, Descriptor]:
+    """``plan``'s algorithm (for ``rank`` of ``world_size``) and descriptor."""
+    kind, buf = plan.kind, plan.buf
+    root, algo = plan.root, plan.algo
+    if algo is None:
+        plane = planes.choose(kind, buf.flat)
+        root, shared = plane if plane is not None else (root, None)
+        algo = build(kind, rank, world_size, buf.flat, buf.dtype, plan.op or "sum", plan.root,
+                     shared)  # fmt: skip
+    return algo, plan.descriptor(root, buf.dtype.code)
+
+
+class NativeBackend(EngineBackend):
+    """A communicator (or a group of it: ``members``) over our own ``Engine``."""
+
+    devices = False
+    ordered: OrderedEngine | None = None
+
+    def __init__(
+        self, engine: Engine, rank: int, world_size: int, planes: SharedPlanes,
+        members: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
+        self.engine = self._runs = engine
+        self.rank, self.world_size = rank, world_size  # the communicator's numbering
+        self.planes = planes
+        self.members = tuple(range(engine.world_size)) if members is None else members
+        self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
+
+    def submit(
+        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
+        request: Request[Any],
+    ) -> None:  # fmt: skip
+        algo, desc = built(plan, self.rank, self.world_size, self.planes)
+        engine = self.engine
+        if self._translated:
+            algo = Translated(algo, self.members, engine.rank, engine.world_size)
+        log_post(self.rank, label, desc)
+        engine.submit(Operation(key, label, desc, algo, request, plan.result, priority, timeout))
+
+    def group(self, members: tuple[int, ...]) -> NativeBackend:
+        engine_ranks = tuple(self.members[r] for r in members)
+        planes = self.planes.for_group(engine_ranks, self.engine.world_size)
+        return NativeBackend(self.engine, members.index(self.rank), len(members), planes,
+                             engine_ranks)  # fmt: skip
+
+    @property
+    def data_plane(self) -> DataPlane:
+        return self.planes.data_plane("native")
+
+
+class LocalBackend:
+    """A world of one: nothing to talk to; every operation completes as it is posted."""
+
+    devices = False
+    members: tuple[int, ...] = (0,)
+    engine: Engine | None = None
+    ordered: OrderedEngine | None = None
+    broken: BaseException | None = None
+
+    def __init__(self) -> None:
+        self.planes = SharedPlanes(False, None)
+
+    def submit(
+        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
+        request: Request[Any],
+    ) -> None:  # fmt: skip
+        algo, desc = built(plan, 0, 1, self.planes)
+        log_post(0, label, desc)
+        algo.start()
+        request.set_result(plan.result())
+
+    def group(self, members: tuple[int, ...]) -> LocalBackend:
+        return LocalBackend()
+
+    def close(self) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    @property
+    def stall_reports(self) -> list[str]:
+        return []
+
+    @property
+    def data_plane(self) -> DataPlane:
+        return DataPlane("local")
+
+    def flight_record(self) -> dict[str, Any]:
+        return {"rank": 0, "world_size": 1, "records": []}
+
+    def dump_flight_record(self, path: str) -> str:
+        raise UsageError("a world of one records no operations")

@@ -115,9 +115,10 @@ def test_a_timeout_fails_the_operation_with_the_same_class_everywhere(
             error = outcome(state.requests["x"])
             assert isinstance(error, TimeoutError) and "timeout of 1.0 s" in str(error), error
             assert "still waiting for rank" in str(error), str(error)
-    # the late rank now posts it: it fails at once, with the class the others reported
+    # the late rank now posts it: it fails at once, the session broken by that timeout
     wire.post(late, "allreduce", "x", np.ones(4, np.float32))
-    assert isinstance(outcome(wire.ranks[late].requests["x"]), (TimeoutError, ar.BrokenError))
+    error = outcome(wire.ranks[late].requests["x"])
+    assert isinstance(error, ar.BrokenError) and isinstance(error.__cause__, TimeoutError)
 
 
 @fast
@@ -283,6 +284,48 @@ def test_duplicated_control_frames_change_nothing(n: int, seed: int) -> None:
     for state in wire.ranks:
         assert all(outcome(r) is None for r in state.requests.values())
         assert state.session.broken is None
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, abort=st.booleans())
+def test_close_fails_what_is_pending_and_what_was_posted_late(
+    n: int, seed: int, abort: bool
+) -> None:
+    wire = Wire(n, seed)
+    wire.post(0, "allreduce", "pending", np.ones(4, np.float32))
+    wire.run()
+    late = wire.make(0, "allreduce", "late", np.ones(4, np.float32))
+    wire.ranks[0].session.close("stop" if abort else None, [late])
+    wire.apply(0)
+    for name, request in wire.ranks[0].requests.items():
+        error = outcome(request)
+        if abort and name == "pending":
+            assert isinstance(error, ar.BrokenError) and "rank 0 aborted: stop" in str(error)
+        else:
+            assert isinstance(error, ar.ClosedError), (name, error)
+            assert "closed while it was pending" in str(error), str(error)
+    refusal = wire.ranks[0].session.refusal("next")
+    assert (refusal is not None) == abort, refusal
+
+
+@fast
+@given(seed=SEEDS)
+def test_frames_held_back_for_a_rank_that_says_goodbye_are_let_go(seed: int) -> None:
+    wire = Wire(2, seed, Settings(held_bytes=0, spin=0.0))
+    wire.post(0, "allreduce", "x", np.ones(4, np.float32))  # unexpected at rank 1: past the cap
+    wire.run()
+    assert wire.ranks[0].session.flow.holding_back == {1: set()}, "rank 1 never said Hold"
+    wire.post(1, "allreduce", "x", np.ones(4, np.float32))
+    wire.run()
+    wire.post(0, "broadcast", "b", np.ones(4, np.float32), root=0)  # kept back for rank 1
+    wire.run()
+    assert wire.ranks[0].session.flow.kept, "the broadcast's frame was not kept back"
+    wire.goodbye(1)
+    wire.run()
+    assert outcome(wire.ranks[0].requests["b"]) is None  # the root needs nothing from rank 1
+    assert outcome(wire.ranks[0].requests["x"]) is None
+    wire.tick(100.0)  # a departed rank is not silent
+    assert not isinstance(wire.ranks[0].session.broken, TimeoutError)
 
 
 SANS_IO = ("algorithms", "protocol")

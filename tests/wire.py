@@ -44,7 +44,7 @@ class Frame:
     dst: int
     head: bytes
     payload: bytes  # copied when it leaves: a payload must stay untouched until then
-    view: memoryview  # the sender's buffer, checked unchanged when the frame leaves
+    view: memoryview  # the sender's buffer (read when the frame leaves)
     priority: int
     token: object
     order: int
@@ -88,25 +88,31 @@ class Wire:
 
     # ---- posting -------------------------------------------------------------------------------
 
-    def post(
+    def make(
         self, rank: int, kind: str, name: str, buffer: np.ndarray, op: str = "sum", root: int = 0,
-        timeout: float | None = None, count: int | None = None,
-    ) -> Request[Any]:  # fmt: skip
-        """Post operation ``name`` (instance 0) on ``rank``, as Communicator does."""
+        timeout: float | None = None,
+    ) -> Operation:  # fmt: skip
+        """Operation ``name`` (instance 0) of ``rank``, built as Communicator builds it."""
         dtype = DTYPES[buffer.dtype.name]
         flat = buffer.reshape(-1)
         algo = build(kind, rank, self.n, flat, dtype, op, root)
         reduce = REDUCTION_CODES[op] if kind in ("allreduce", "reduce_scatter") else 0
-        size = flat.size if count is None else count
-        desc = Descriptor(KINDS[kind], dtype.code, reduce, root, size)
+        desc = Descriptor(KINDS[kind], dtype.code, reduce, root, flat.size)
         request: Request[Any] = Request(f"{kind} {name!r}#0", self.runner)
+        self.ranks[rank].requests[name] = request
         key = (name.encode(), 0)
-        operation = Operation(key, request.label, desc, algo, request, lambda: buffer, 0, timeout)
+        return Operation(key, request.label, desc, algo, request, lambda: buffer, 0, timeout)
+
+    def post(
+        self, rank: int, kind: str, name: str, buffer: np.ndarray, op: str = "sum", root: int = 0,
+        timeout: float | None = None,
+    ) -> Request[Any]:  # fmt: skip
+        """Post operation ``name`` (instance 0) on ``rank``."""
+        operation = self.make(rank, kind, name, buffer, op, root, timeout)
         state = self.ranks[rank]
-        state.requests[name] = request
         state.session.post(operation, state.now)
         self.apply(rank)
-        return request
+        return operation.request
 
     # ---- carrying out commands -----------------------------------------------------------------
 
@@ -120,6 +126,8 @@ class Wire:
                 self._queue(rank, *command[1:])
             elif what == FINISH:
                 _, op, value, error = command
+                queued = [f for q in self.queued.values() for f in q if f.token is op]
+                assert not queued, f"{op.label} ended with frames still to send"
                 if not op.request.done():
                     if error is not None:
                         op.request.set_exception(error)

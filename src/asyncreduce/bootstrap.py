@@ -34,9 +34,10 @@ import numpy as np
 from . import cma
 from .cma import CrossMemory
 from .comm import Communicator
-from .engine import Engine, Settings
+from .engine import Engine
 from .errors import UsageError
 from .launchers import Place, Rendezvous, detect
+from .protocol.operation import Settings
 from .rendezvous import PrefixStore, Store, TCPStore, gather, store_from_env_or_args
 from .transport.shm import Arena, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport, connect_mesh

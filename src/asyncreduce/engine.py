@@ -27,14 +27,13 @@ import numpy as np
 from .errors import BrokenError, ClosedError
 from .flight import FlightRecorder
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
-from .protocol.operation import Operation, Settings, env_number
+from .protocol.operation import Operation, Settings
 from .protocol.session import Session, broken_by
 from .protocol.wire import ON_DEVICE, describe
 from .transport.base import FrameSink, Transport
 from .transport.frame import MAX_ERROR_BYTES, Header
 
 __all__ = ["Engine", "Operation", "Settings", "describe", "ON_DEVICE", "broken_by"]
-_env_number = env_number  # the ordered engines read their settings alike
 
 log = logging.getLogger("asyncreduce.engine")
 
@@ -131,13 +130,15 @@ class Engine(FrameSink):
                 self._poll()
                 if session.working:
                     session.work(time.monotonic())
+                    self._apply()
                 session.tick(time.monotonic())
                 self._apply()
             self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
-            session.fail_all(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
-            self._apply()
+            with self._lock:  # a submit that checked before this sees it, or is taken below
+                session.fail_all(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
+            self._apply(each_alone=True)
             self._take_submitted()  # fails what was submitted meanwhile (the session is broken)
             self._closing.wait()  # new posts fail at once; wait for close()
             self._take_submitted()
@@ -191,21 +192,29 @@ class Engine(FrameSink):
         self.transport.poll(self.session.liveness.timeout(now) if empty else 0.0)
         self._sleeping = False
 
-    def _apply(self) -> None:
+    def _apply(self, each_alone: bool = False) -> None:
         """Carry out the session's commands, in order. A send may report itself sent at once,
-        and that event's commands join the same list: they are applied by this same loop."""
+        and that event's commands join the same list: they are applied by this same loop. If
+        one raises (a bug), those after it stay for the crash handler, which applies each
+        alone (``each_alone``: a failing one is logged and skipped), so no request is lost."""
         if self._applying:
             return
         self._applying = True
         commands = self.session.commands
+        i = 0
         try:
-            i = 0
             while i < len(commands):
                 command = commands[i]
                 i += 1
-                self._carry_out(command)
+                if not each_alone:
+                    self._carry_out(command)
+                    continue
+                try:
+                    self._carry_out(command)
+                except Exception:
+                    log.exception("rank %d could not carry out %r", self.rank, command[:2])
         finally:
-            commands.clear()
+            del commands[:i]
             self._applying = False
 
     def _carry_out(self, command: tuple[object, ...]) -> None:
@@ -216,9 +225,9 @@ class Engine(FrameSink):
             try:
                 transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
             except KeyError:
-                if token is not None:
+                if token is not None and self.session.broken is None:
                     raise
-                # a control frame to a peer that is gone already
+                # a peer gone already: a control frame, or data of an operation that failed
         elif what == FINISH:
             _, op, value, error = command
             assert isinstance(op, Operation)

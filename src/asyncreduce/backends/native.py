@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..algorithms import Collective, Translated, build
-from ..engine import Engine, Operation
+from ..engine import Engine
 from ..errors import UsageError
 from ..keys import Key
 from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
+from ..protocol.operation import Operation
 from ..request import Request
 from ..transport.frame import Descriptor
 from .base import EngineBackend, log_post

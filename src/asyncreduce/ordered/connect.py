@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator
-from ..engine import Settings
 from ..errors import UsageError
+from ..protocol.operation import Settings
 from .engine import OrderedEngine
 from .native import NativeEndpoint
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..algorithms.reduction import finalize
 from ..flight import FlightRecorder
+from ..protocol.operation import env_number
 from .posted import Posted, Running
 
 __all__ = ["FUSION_BYTES", "Call", "complete", "fuse", "fusion_bytes_from_env", "pack"]
@@ -46,9 +47,8 @@ def fusion_bytes_from_env() -> int:
     text = os.environ.get("ASYNCREDUCE_FUSION_BYTES")
     if not text:
         return FUSION_BYTES
-    from ..engine import _env_number
 
-    return int(_env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0))
+    return int(env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0))
 
 
 def fuse(ops: list[Posted], limit: int) -> list[list[Posted]]:

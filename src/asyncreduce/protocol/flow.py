@@ -80,6 +80,11 @@ class Flow:
             self.kept[peer] = kept
         return ready
 
+    def forget(self, peer: int) -> list[KeptFrame]:
+        """``peer`` said goodbye: the frames kept back for it, which will never be sent."""
+        self.holding_back.pop(peer, None)
+        return self.kept.pop(peer, [])
+
     def ended(self, key: Key) -> None:
         """``key`` ended here: its 'posted there' marks are no longer needed."""
         for posted in self.holding_back.values():

@@ -44,8 +44,12 @@ class Liveness:
         return True
 
     def silent(self, now: float) -> set[int]:
+        """The peers not heard from for longer than the timeout (a departed one is not silent)."""
         limit = self.peer_timeout + self.beat_every
-        return {p for p, heard in self.heard.items() if now - heard > limit}
+        return {
+            p for p, heard in self.heard.items()
+            if now - heard > limit and p not in self.departed
+        }  # fmt: skip
 
     def add_deadline(self, op: Operation) -> None:
         heapq.heappush(self._deadlines, (op.deadline, next(self._order), op))

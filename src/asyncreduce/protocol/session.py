@@ -4,7 +4,7 @@ A ``Session`` takes events (an operation posted, a frame received, a frame sent,
 a tick, a unit of work, closing) with the time passed in, changes its state, and appends
 commands (commands.py) to ``self.commands`` for the engine thread to carry out. It owns no
 socket, no thread and no clock, so every rule below can be tested in one process, with frames
-delivered in any order (testing/network.py).
+delivered in any order (tests/wire.py).
 
 Matching is by key, never by order (matching.py). Every frame carries the operation's
 descriptor; a frame whose descriptor differs from the local one fails the operation here and,
@@ -305,6 +305,9 @@ class Session:
                 self._fail_everywhere(
                     op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
                 )
+        for op, _, _ in self.flow.forget(peer):  # kept back for it: it needs them no more
+            op.unsent -= 1
+            self._maybe_complete(op)
         self.commands.append((do.RELEASE, peer))
 
     def _control(self, peer: int, message: Control) -> None:

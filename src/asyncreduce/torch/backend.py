@@ -33,9 +33,9 @@ import torch.distributed as dist
 from .. import bootstrap
 from ..c10d_store import C10dStore
 from ..comm import Communicator
-from ..engine import Settings
 from ..errors import UsageError
 from ..launchers import Place, Rendezvous
+from ..protocol.operation import Settings
 from .work import Work as _Work
 from .work import joined as _joined
 

@@ -123,7 +123,8 @@ SERVER = r"""
 import os, sys
 from asyncreduce import rendezvous
 from asyncreduce.auth import Secret
-rendezvous._HANDSHAKE_SECONDS = float(sys.argv[1])
+from asyncreduce.rendezvous import server
+server._HANDSHAKE_SECONDS = float(sys.argv[1])
 secret = Secret(sys.argv[2]) if len(sys.argv) > 2 else None
 with rendezvous.TCPStore("127.0.0.1", 0, is_server=True, timeout=10.0, secret=secret) as store:
     store.set("kept", b"data")

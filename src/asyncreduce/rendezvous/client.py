@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..auth import NONCE_BYTES, PROOF_BYTES, AuthenticationError, ClientHandshake, Secret
+from ..auth import NONCE_BYTES, PROOF_BYTES, ClientHandshake, Secret
 from ..errors import BrokenError, ClosedError, UsageError
-from .store import _address
+from ..transport.listener import host_port, needs_secret, recv_exact, unexpected_secret
 from .wire import (
     _CONTEXT,
     _ERR,
@@ -31,25 +31,11 @@ from .wire import (
     _ProtocolError,
 )
 
+_STORE = "the store"  # who closed the connection, in messages
+
 
 class _WrongPeer(Exception):
     """Something answered on the store's port, but not with our greeting."""
-
-
-def _recv_exact(sock: socket.socket, count: int, deadline: float) -> bytes:
-    buf = bytearray(count)
-    view = memoryview(buf)
-    got = 0
-    while got < count:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("deadline passed")
-        sock.settimeout(remaining)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("the store closed the connection")
-        got += n
-    return bytes(buf)
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
@@ -61,8 +47,8 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
 
 
 def _read_frame(sock: socket.socket, deadline: float) -> tuple[int, list[bytes]]:
-    length = _frame_length(_recv_exact(sock, _U32.size, deadline))
-    body = memoryview(_recv_exact(sock, length, deadline))
+    length = _frame_length(recv_exact(sock, _U32.size, deadline, _STORE))
+    body = memoryview(recv_exact(sock, length, deadline, _STORE))
     return body[0], _decode_fields(body[1:])
 
 
@@ -70,24 +56,17 @@ def _greet(sock: socket.socket, deadline: float, secret: Secret | None, where: s
     """Open a connection: the plain greeting, or the greeting and the challenge-response."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _send_all(sock, _MAGIC if secret is None else _MAGIC_AUTH, deadline)
-    answer = _recv_exact(sock, len(_MAGIC), deadline)
+    answer = recv_exact(sock, len(_MAGIC), deadline, _STORE)
     if answer == _MAGIC_AUTH and secret is None:
-        raise AuthenticationError(
-            f"the store at {where} requires authentication, but this rank has no secret: "
-            "set ASYNCREDUCE_SECRET (or ASYNCREDUCE_SECRET_FILE) to the job's secret"
-        )
+        raise needs_secret(f"the store at {where}", "this rank")
     if answer == _MAGIC and secret is not None:
-        raise AuthenticationError(
-            f"the store at {where} does not authenticate, but this rank has a secret "
-            "(ASYNCREDUCE_SECRET or ASYNCREDUCE_SECRET_FILE): set the same secret on every "
-            "rank, or on none"
-        )
+        raise unexpected_secret(f"the store at {where}", "this rank")
     if answer not in (_MAGIC, _MAGIC_AUTH):
         raise _WrongPeer(answer)
     if secret is not None:
         handshake = ClientHandshake(secret, _CONTEXT)
-        _send_all(sock, handshake.answer(_recv_exact(sock, NONCE_BYTES, deadline)), deadline)
-        handshake.check(_recv_exact(sock, PROOF_BYTES, deadline), f"the store at {where}")
+        _send_all(sock, handshake.answer(recv_exact(sock, NONCE_BYTES, deadline, _STORE)), deadline)
+        handshake.check(recv_exact(sock, PROOF_BYTES, deadline, _STORE), f"the store at {where}")
 
 
 def _connect(host: str, port: int, timeout: float, secret: Secret | None) -> socket.socket:
@@ -98,7 +77,7 @@ def _connect(host: str, port: int, timeout: float, secret: Secret | None) -> soc
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: OSError | None = None
-    where = _address(host, port)
+    where = host_port(host, port)
     while (remaining := deadline - time.monotonic()) > 0:
         try:
             sock = socket.create_connection((host, port), timeout=min(remaining, 5.0))
@@ -181,7 +160,7 @@ class _Client:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _where(self) -> str:
-        return _address(self._host, self._port)
+        return host_port(self._host, self._port)
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -13,18 +13,15 @@ drop of each cause is logged at WARNING, later ones at DEBUG); the others are un
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import selectors
 import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
 from ..auth import (
     ANSWER_BYTES,
-    NONCE_BYTES,
     REJECTED,
     RejectionLog,
     Secret,
@@ -32,7 +29,17 @@ from ..auth import (
     warn_if_exposed,
 )
 from ..errors import UsageError
-from .store import MAX_VALUE_BYTES, _address, _counter_plus
+from ..transport.listener import (
+    ADMIT,
+    CHALLENGE,
+    Greetings,
+    Listener,
+    WakeUp,
+    answer_greeting,
+    host_port,
+    refusal_detail,
+)
+from .store import MAX_VALUE_BYTES, _counter_plus
 from .wire import (
     _ADD,
     _CHECK,
@@ -57,11 +64,11 @@ from .wire import (
     _valid_key,
 )
 
+_GREETINGS = Greetings(_MAGIC_AUTH, _MAGIC, _CONTEXT, client="client", server="store")
 _log = logging.getLogger("asyncreduce.rendezvous")  # one logger for the whole store
 
 _HANDSHAKE_SECONDS = 10.0  # an unfinished handshake is dropped after this long
 _MAX_PENDING = 256  # unfinished handshakes kept at once; the oldest goes when one more arrives
-_ACCEPT_PAUSE = 0.1  # seconds without accepting after accept() fails (e.g. out of descriptors)
 
 
 _GREETING, _ANSWER, _READY = "greeting", "answer", "ready"  # where a connection's handshake is
@@ -71,18 +78,16 @@ class _Conn:
     """One client connection, as the server thread sees it."""
 
     __slots__ = (
-        "sock", "peer", "inbuf", "outbuf", "state", "auth", "deadline", "waiting_for", "events",
-        "closed",
+        "sock", "peer", "inbuf", "outbuf", "state", "auth", "waiting_for", "events", "closed",
     )  # fmt: skip
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.state = _GREETING
         self.auth: ServerHandshake | None = None
-        self.deadline = deadline  # for the handshake only
         self.waiting_for: bytes | None = None  # key of a parked GET
         self.events = selectors.EVENT_READ
         self.closed = False
@@ -94,26 +99,26 @@ class _StoreServer:
     def __init__(self, host: str, port: int, secret: Secret | None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._listener = socket.create_server((host, port), family=family, backlog=128)
+            sock = socket.create_server((host, port), family=family, backlog=128)
         except OSError as exc:
             raise UsageError(
-                f"cannot serve the store on {_address(host, port)}: {exc} "
+                f"cannot serve the store on {host_port(host, port)}: {exc} "
                 "(is MASTER_PORT used by another job? is MASTER_ADDR an address of this host?)"
             ) from exc
-        self.port: int = self._listener.getsockname()[1]
+        self.port: int = sock.getsockname()[1]
         warn_if_exposed(host, self.port, "rendezvous store", secret)
         self._secret = secret
-        self._listener.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self.rejections = RejectionLog(_log, "store server")
+        self._wake = WakeUp()
         self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, "listen")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self._wake.reader, selectors.EVENT_READ, "wake")
+        self._listener = Listener(
+            sock, self._selector, self.rejections, self._welcome, self._reject,
+            handshake_seconds=_HANDSHAKE_SECONDS, max_pending=_MAX_PENDING,
+        )  # fmt: skip
         self._data: dict[bytes, bytes] = {}
         self._waiters: dict[bytes, list[_Conn]] = {}
         self._conns: set[_Conn] = set()
-        self._pending: dict[_Conn, None] = {}  # handshake not finished; oldest first
-        self._accept_paused_until: float | None = None
         self._ready: deque[_Conn] = deque()
         self._handlers: dict[int, Callable[[_Conn, list[bytes]], None]] = {
             _SET: self._do_set,
@@ -123,60 +128,37 @@ class _StoreServer:
             _DELETE: self._do_delete,
         }
         self._stopping = False
-        self.rejections = RejectionLog(_log, "store server")
         self._thread = threading.Thread(target=self._run, name="asyncreduce-store", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread; it closes the listener and every connection on its way out."""
         self._stopping = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
+        self._wake.wake()
         self._thread.join(timeout=10.0)
         if self._thread.is_alive():
             _log.error("store server thread did not stop within 10 s")
-        self._wake_w.close()
+        self._wake.close()
 
     # -- the loop
 
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, mask in self._selector.select(self._next_timeout()):
+                for key, mask in self._selector.select(self._listener.timeout()):
                     self._dispatch(key.data, mask)
                 while self._ready and not self._stopping:
                     self._serve(self._ready.popleft())
-                self._on_clock()
+                self._listener.on_clock()
         finally:
             self._close_everything()
-
-    def _next_timeout(self) -> float | None:
-        """Seconds until the next handshake deadline or accept resumption (None: no timer)."""
-        times = [conn.deadline for conn in itertools.islice(self._pending, 1)]
-        if self._accept_paused_until is not None:
-            times.append(self._accept_paused_until)
-        return max(0.0, min(times) - time.monotonic()) if times else None
-
-    def _on_clock(self) -> None:
-        """Drop handshakes past their deadline; accept again after a pause."""
-        now = time.monotonic()
-        while self._pending:
-            conn = next(iter(self._pending))
-            if conn.deadline > now:
-                break
-            limit = f"not finished within {_HANDSHAKE_SECONDS:g} s"
-            self._reject(conn, "handshake timed out", limit)
-        if self._accept_paused_until is not None and now >= self._accept_paused_until:
-            self._accept_paused_until = None
-            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
 
     def _dispatch(self, data: object, mask: int) -> None:
         try:
             if data == "wake":
-                with contextlib.suppress(OSError):
-                    self._wake_r.recv(64)
-            elif data == "listen":
-                self._accept()
+                self._wake.drain()
+            elif data is self._listener:
+                self._listener.accept()
             elif isinstance(data, _Conn):
                 self._on_conn_event(data, mask)
         except Exception:  # never let one event kill the server thread
@@ -188,30 +170,14 @@ class _StoreServer:
         for conn in list(self._conns):
             self._drop(conn)
         self._selector.close()
-        self._listener.close()
-        self._wake_r.close()
+        self._listener.sock.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. out of file descriptors: pause rather than spin
-                self.rejections.reject("accept failed", "a new client", str(exc))
-                self._selector.unregister(self._listener)
-                self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE
-                return
-            if len(self._pending) >= _MAX_PENDING:
-                oldest = next(iter(self._pending))
-                self._reject(oldest, "too many unfinished handshakes", "dropped the oldest")
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = _address(str(addr[0]), int(addr[1]))
-            conn = _Conn(sock, peer, time.monotonic() + _HANDSHAKE_SECONDS)
-            self._conns.add(conn)
-            self._pending[conn] = None
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+    def _welcome(self, sock: socket.socket, peer: str) -> _Conn:
+        """A new connection (the listener keeps its handshake within bounds)."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, peer)
+        self._conns.add(conn)
+        return conn
 
     def _on_conn_event(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -287,32 +253,33 @@ class _StoreServer:
         assert conn.auth is not None
         proof = conn.auth.check(answer)
         if proof is None:
-            self._send(conn, REJECTED)
-            self._reject(conn, "wrong or replayed secret", "its answer did not prove the secret")
+            self._refuse(conn, REJECTED, "wrong or replayed secret")
             return False
         self._admit(conn, proof)
         return True
 
     def _on_greeting(self, conn: _Conn, greeting: bytes) -> None:
-        if greeting == _MAGIC and self._secret is None:
-            self._admit(conn, _MAGIC)
-        elif greeting == _MAGIC_AUTH and self._secret is not None:
-            conn.auth = ServerHandshake(self._secret, _CONTEXT)
-            conn.state = _ANSWER
-            self._send(conn, _MAGIC_AUTH + conn.auth.nonce)
-        elif greeting == _MAGIC:  # tell the client we want a secret, then hang up
-            self._send(conn, _MAGIC_AUTH + bytes(NONCE_BYTES))
-            self._reject(conn, "no secret", "the client does not authenticate; this store does")
-        elif greeting == _MAGIC_AUTH:  # tell the client we have no secret, then hang up
-            self._send(conn, _MAGIC)
-            self._reject(conn, "unexpected secret", "the client authenticates; this store has none")
-        else:
+        if greeting not in (_MAGIC, _MAGIC_AUTH):
             raise _ProtocolError(f"bad greeting {greeting!r}")
+        verdict, reply, conn.auth = answer_greeting(
+            _GREETINGS, greeting == _MAGIC_AUTH, self._secret
+        )
+        if verdict == ADMIT:
+            self._admit(conn, _MAGIC)
+        elif verdict == CHALLENGE:
+            conn.state = _ANSWER
+            self._send(conn, reply)
+        else:  # tell the client which side lacks the secret, then hang up
+            self._refuse(conn, reply, verdict)
+
+    def _refuse(self, conn: _Conn, reply: bytes, cause: str) -> None:
+        self._send(conn, reply)
+        self._reject(conn, cause, refusal_detail(_GREETINGS, cause))
 
     def _admit(self, conn: _Conn, reply: bytes) -> None:
         conn.state = _READY
         conn.auth = None
-        self._pending.pop(conn, None)
+        self._listener.finished(conn)
         self._send(conn, reply)
 
     def _violation(self, conn: _Conn, reason: str) -> None:
@@ -328,7 +295,7 @@ class _StoreServer:
         if conn.closed:
             return
         conn.closed = True
-        self._pending.pop(conn, None)
+        self._listener.finished(conn)
         if conn.waiting_for is not None:
             waiters = self._waiters.get(conn.waiting_for, [])
             with contextlib.suppress(ValueError):

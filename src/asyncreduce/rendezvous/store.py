@@ -150,7 +150,3 @@ def _counter_plus(label: str, current: bytes, amount: int) -> int:
         return int(current) + amount
     except ValueError:
         raise UsageError(f"store key {label} holds {current[:40]!r}, not a counter") from None
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

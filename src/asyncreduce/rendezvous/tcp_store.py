@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 from ..auth import FROM_ENV, SecretArg, resolve_secret
 from ..errors import BrokenError
+from ..transport.listener import host_port
 from .client import _Client
 from .server import _StoreServer
 from .store import (
     Store,
-    _address,
     _check_amount,
     _check_port,
     _check_timeout,
@@ -79,7 +79,7 @@ class TCPStore(Store):
     def __repr__(self) -> str:
         role = "server" if self._server is not None else "client"
         auth = "authenticated" if self.authenticated else "unauthenticated"
-        return f"<TCPStore {role} {_address(self.host, self.port)} {auth}>"
+        return f"<TCPStore {role} {host_port(self.host, self.port)} {auth}>"
 
     def set(self, key: str, value: bytes) -> None:
         fields = [_key_bytes(key), _value_bytes(value)]
@@ -127,7 +127,7 @@ class TCPStore(Store):
         return f"the store {summary}, see its warnings" if summary else ""
 
     def _call(self, op: int, fields: Sequence[bytes], answers: int, what: str) -> list[bytes]:
-        on_timeout = f"{what}: no answer from the store at {_address(self.host, self.port)}"
+        on_timeout = f"{what}: no answer from the store at {host_port(self.host, self.port)}"
         on_timeout += f" within {self._timeout:g} s"
         reply = self._client.request(op, fields, self._timeout, on_timeout)
         return _expect_reply(reply, answers, what)

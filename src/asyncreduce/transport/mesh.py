@@ -10,6 +10,7 @@ handed to ``TcpTransport`` (tcp.py), which knows nothing of how they were made.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -22,7 +23,6 @@ from ..auth import (
     NONCE_BYTES,
     PROOF_BYTES,
     REJECTED,
-    AuthenticationError,
     ClientHandshake,
     RejectionLog,
     Secret,
@@ -30,6 +30,17 @@ from ..auth import (
     ServerHandshake,
     resolve_secret,
     warn_if_exposed,
+)
+from .listener import (
+    ADMIT,
+    CHALLENGE,
+    Greetings,
+    Listener,
+    answer_greeting,
+    needs_secret,
+    recv_exact,
+    refusal_detail,
+    unexpected_secret,
 )
 
 __all__ = ["HELLO", "connect_mesh"]
@@ -40,7 +51,6 @@ HELLO = struct.Struct("<4sBII16s")
 _HELLO_MAGIC = b"ARDH"
 _SOCKET_BUFFER = 4 << 20
 
-#
 # The handshake, every message fixed-size and every wait under a deadline:
 #
 #   without a secret   dialer -> HELLO                   acceptor -> HELLO
@@ -51,37 +61,22 @@ _SOCKET_BUFFER = 4 << 20
 # only once the answer has proved the secret. An acceptor that gets the other greeting than the
 # one it expects answers with its own ("ARDHAUTH", or "ARDHNONE" when it has no secret) and
 # hangs up, so the dialer can say which side lacks the secret. The acceptor runs any number of
-# handshakes at once (a silent or slow connection holds up nobody), drops each one that is not
-# done within _HANDSHAKE_SECONDS, keeps at most _MAX_PENDING unfinished ones beyond the ranks
-# it waits for, and logs the first drop of each cause at WARNING, later ones at DEBUG.
+# handshakes at once under the rules of listener.py: each is dropped if not done within
+# _HANDSHAKE_SECONDS, at most _MAX_PENDING unfinished ones are kept beyond the ranks it waits
+# for, and the first drop of each cause is logged at WARNING, later ones at DEBUG.
 
 _AUTH_GREETING = b"ARDHAUTH"  # a dialer that authenticates opens with this instead of a HELLO
 _NO_AUTH = b"ARDHNONE"  # an acceptor without a secret answers an authenticating dialer so
 _CONTEXT = b"asyncreduce data v1"  # what the HMAC proofs of this protocol are bound to
+_GREETINGS = Greetings(_AUTH_GREETING, _NO_AUTH, _CONTEXT, client="peer", server="rank")
 _HANDSHAKE_SECONDS = 5.0
 _MAX_PENDING = 128
-
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """Exactly ``n`` bytes (a small, fixed handshake size) before ``deadline``."""
-    data = b""
-    while len(data) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the handshake did not finish in time")
-        sock.settimeout(remaining)
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("closed during handshake")
-        data += chunk
-    return data
 
 
 def _hello(rank: int, world_size: int, token: bytes) -> bytes:
@@ -182,38 +177,31 @@ def _handshake_out(
     who = f"rank {peer} at {address[0]}:{address[1]}"
     if secret is None:
         sock.sendall(_hello(rank, world_size, token))
-        reply = _recv_exact(sock, HELLO.size, deadline)
+        reply = recv_exact(sock, HELLO.size, deadline, who)
         if reply.startswith(_AUTH_GREETING):
-            raise AuthenticationError(
-                f"{who} requires authentication, but rank {rank} has no secret: set "
-                "ASYNCREDUCE_SECRET (or ASYNCREDUCE_SECRET_FILE) to the job's secret"
-            )
+            raise needs_secret(who, f"rank {rank}")
         return reply
     sock.sendall(_AUTH_GREETING)
-    greeting = _recv_exact(sock, len(_AUTH_GREETING), deadline)
+    greeting = recv_exact(sock, len(_AUTH_GREETING), deadline, who)
     if greeting == _NO_AUTH:
-        raise AuthenticationError(
-            f"{who} does not authenticate, but rank {rank} has a secret (ASYNCREDUCE_SECRET "
-            "or ASYNCREDUCE_SECRET_FILE): set the same secret on every rank, or on none"
-        )
+        raise unexpected_secret(who, f"rank {rank}")
     if greeting != _AUTH_GREETING:
         raise ConnectionError(f"{who} is not an asyncreduce peer (it answered {greeting!r})")
     handshake = ClientHandshake(secret, _CONTEXT)
-    answer = handshake.answer(_recv_exact(sock, NONCE_BYTES, deadline))
+    answer = handshake.answer(recv_exact(sock, NONCE_BYTES, deadline, who))
     sock.sendall(answer + _hello(rank, world_size, token))
-    handshake.check(_recv_exact(sock, PROOF_BYTES, deadline), who)
-    return _recv_exact(sock, HELLO.size, deadline)
+    handshake.check(recv_exact(sock, PROOF_BYTES, deadline, who), who)
+    return recv_exact(sock, HELLO.size, deadline, who)
 
 
 class _Incoming:
-    """An accepted connection whose handshake is not done: what it sent so far, its deadline."""
+    """An accepted connection whose handshake is not done: what it sent so far."""
 
-    __slots__ = ("sock", "peer", "deadline", "inbuf", "auth")
+    __slots__ = ("sock", "peer", "inbuf", "auth")
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
-        self.deadline = deadline
         self.inbuf = bytearray()
         self.auth: ServerHandshake | None = None  # set once it asked to authenticate
 
@@ -232,78 +220,47 @@ class _Acceptor:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.listener = listener
         self.token = token
         self.deadline = deadline
         self.secret = secret
         self.expected = set(range(rank + 1, world_size))
-        self.pending: dict[socket.socket, _Incoming] = {}  # oldest first
-        self.max_pending = _MAX_PENDING + len(self.expected)
         self.rejections = RejectionLog(log, f"rank {rank}")
         self.selector = selectors.DefaultSelector()
+        self.listener: Listener[_Incoming] | None = None
+        if self.expected:
+            self.listener = Listener(
+                listener, self.selector, self.rejections, _Incoming, self._reject,
+                handshake_seconds=_HANDSHAKE_SECONDS,
+                max_pending=_MAX_PENDING + len(self.expected),
+            )  # fmt: skip
 
     def run(self, socks: dict[int, socket.socket]) -> None:
         """Accept until every higher rank is in ``socks``; TimeoutError at the deadline."""
         try:
-            if self.expected:
-                self.listener.setblocking(False)
-                self.selector.register(self.listener, selectors.EVENT_READ, None)
-            while self.expected:
-                for key, _ in self.selector.select(self._next_timeout()):
-                    if key.data is None:
-                        self._accept()
+            while self.listener is not None and self.expected:
+                for key, _ in self.selector.select(self._next_timeout(self.listener)):
+                    if key.data is self.listener:
+                        self.listener.accept(self.deadline)
                     else:
                         self._on_readable(key.data, socks)
-                self._expire()
+                self.listener.on_clock()
         finally:
-            for incoming in list(self.pending.values()):
+            for incoming in self.listener.unfinished() if self.listener else []:
                 self._close(incoming)
             self.selector.close()
 
-    def _next_timeout(self) -> float:
-        now = time.monotonic()
-        if now >= self.deadline:
+    def _next_timeout(self, listener: Listener[_Incoming]) -> float | None:
+        if time.monotonic() >= self.deadline:
             missing = ", ".join(map(str, sorted(self.expected)))
             summary = self.rejections.summary()
             raise TimeoutError(
                 f"rank {self.rank}: ranks {missing} never connected"
                 + (f"; this rank {summary}, see the warnings" if summary else "")
             )
-        oldest = next(iter(self.pending.values()), None)
-        return min(self.deadline, oldest.deadline if oldest else self.deadline) - now
+        return listener.timeout(self.deadline)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self.pending:
-            oldest = next(iter(self.pending.values()))
-            if oldest.deadline > now:
-                return
-            self._reject(oldest, "handshake timed out", f"not done within {_HANDSHAKE_SECONDS:g} s")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, addr = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. out of descriptors: free one, or pause; never spin
-                self.rejections.reject("accept failed", "a new peer", str(exc))
-                if self.pending:
-                    self._reject(next(iter(self.pending.values())), "accept failed", "made room")
-                else:
-                    time.sleep(0.05)
-                return
-            if len(self.pending) >= self.max_pending:
-                oldest = next(iter(self.pending.values()))
-                self._reject(oldest, "too many unfinished handshakes", "dropped the oldest")
-            incoming = _Incoming(
-                sock,
-                f"{addr[0]}:{addr[1]}",
-                min(self.deadline, time.monotonic() + _HANDSHAKE_SECONDS),
-            )
-            sock.setblocking(False)
-            self.pending[sock] = incoming
-            self.selector.register(sock, selectors.EVENT_READ, incoming)
+    def _pending(self, incoming: _Incoming) -> bool:
+        return self.listener is not None and self.listener.is_pending(incoming)
 
     def _need(self, incoming: _Incoming) -> int:
         """How many bytes the current handshake step takes (never more is read)."""
@@ -314,7 +271,7 @@ class _Acceptor:
         return HELLO.size
 
     def _on_readable(self, incoming: _Incoming, socks: dict[int, socket.socket]) -> None:
-        while incoming.sock in self.pending:
+        while self._pending(incoming):
             try:
                 chunk = incoming.sock.recv(self._need(incoming) - len(incoming.inbuf))
             except (BlockingIOError, InterruptedError):
@@ -340,15 +297,16 @@ class _Acceptor:
                 self._refuse(incoming, REJECTED, "wrong or replayed secret")
             else:
                 self._welcome(incoming, data[ANSWER_BYTES:], proof, socks)
-        elif data == _AUTH_GREETING and self.secret is not None:
-            incoming.auth = ServerHandshake(self.secret, _CONTEXT)
-            self._send(incoming, _AUTH_GREETING + incoming.auth.nonce)
-        elif data == _AUTH_GREETING:
-            self._refuse(incoming, _NO_AUTH, "unexpected secret")
-        elif self.secret is not None:
-            self._refuse(incoming, _AUTH_GREETING + bytes(NONCE_BYTES), "no secret")
-        else:
+            return
+        verdict, reply, incoming.auth = answer_greeting(
+            _GREETINGS, data == _AUTH_GREETING, self.secret
+        )
+        if verdict == ADMIT:  # no secret on either side: ``data`` is the HELLO
             self._welcome(incoming, data, b"", socks)
+        elif verdict == CHALLENGE:
+            self._send(incoming, reply)
+        else:
+            self._refuse(incoming, reply, verdict)
 
     def _welcome(
         self, incoming: _Incoming, hello: bytes, proof: bytes, socks: dict[int, socket.socket]
@@ -364,7 +322,8 @@ class _Acceptor:
             return
         if not self._send(incoming, proof + _hello(self.rank, self.world_size, self.token)):
             return
-        self.pending.pop(incoming.sock)
+        assert self.listener is not None
+        self.listener.finished(incoming)
         self.selector.unregister(incoming.sock)
         incoming.sock.setblocking(True)
         _tune(incoming.sock)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
@@ -385,22 +344,20 @@ class _Acceptor:
 
     def _refuse(self, incoming: _Incoming, reply: bytes, cause: str) -> None:
         """Tell the peer why (it can tell its user which side lacks the secret), then drop it."""
-        details = {
-            "wrong or replayed secret": "its answer did not prove the secret",
-            "unexpected secret": "the peer authenticates; this rank has no secret",
-            "no secret": "the peer does not authenticate; this rank does",
-        }
         try:
             incoming.sock.send(reply)
         except OSError:
             pass  # it is being dropped anyway
-        self._reject(incoming, cause, details[cause])
+        self._reject(incoming, cause, refusal_detail(_GREETINGS, cause))
 
     def _reject(self, incoming: _Incoming, cause: str, detail: str) -> None:
         self.rejections.reject(cause, incoming.peer, detail)
         self._close(incoming)
 
     def _close(self, incoming: _Incoming) -> None:
-        if self.pending.pop(incoming.sock, None) is not None:
+        if self._pending(incoming):
+            assert self.listener is not None
+            self.listener.finished(incoming)
+        with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(incoming.sock)
         incoming.sock.close()

@@ -40,6 +40,7 @@ from .frame import (
     parse_header,
     with_flags,
 )
+from .listener import WakeUp
 from .mesh import HELLO, connect_mesh
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
@@ -118,10 +119,8 @@ class TcpTransport(Transport):
         self.sink = sink
         self._selector = selectors.DefaultSelector()
         self._order = itertools.count()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wake = WakeUp()
+        self._selector.register(self._wake.reader, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
         self._leaving = False  # we said goodbye: peers' EOFs are expected
         self._gone: list[_Peer] = []
@@ -465,7 +464,7 @@ class TcpTransport(Transport):
         for key, events in self._selector.select(timeout):
             peer = key.data
             if peer is None:
-                self._drain_wakeups()
+                self._wake.drain()
                 continue
             if events & selectors.EVENT_WRITE and peer.rank in self._peers:
                 self._flush(peer)
@@ -473,17 +472,7 @@ class TcpTransport(Transport):
                 self._on_readable(peer)
 
     def wakeup(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass  # already pending, or closing
-
-    def _drain_wakeups(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        self._wake.wake()
 
     def _remove(self, peer: _Peer) -> list[_Out]:
         """Forget ``peer``; return the frames that will now never leave."""
@@ -518,8 +507,7 @@ class TcpTransport(Transport):
                     arena.close()
         self._peers.clear()
         self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wake.close()
 
 
 def _receive_buffer(sock: socket.socket) -> int:

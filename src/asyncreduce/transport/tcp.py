@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
-import logging
 import selectors
 import socket
 from collections import deque
@@ -32,12 +31,11 @@ from .frame import (
     DATA,
     FLAG_SHM,
     GOODBYE,
-    HEADER,
     Descriptor,
     FrameError,
+    FrameReader,
     Header,
     pack_header,
-    parse_header,
     with_flags,
 )
 from .listener import WakeUp
@@ -45,8 +43,6 @@ from .mesh import HELLO, connect_mesh
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 __all__ = ["TcpTransport", "connect_mesh", "HELLO"]  # the last two live in mesh.py
-
-log = logging.getLogger("asyncreduce.transport")
 
 _STAGE_BYTES = 64 << 10
 _READS_PER_EVENT = 64
@@ -78,7 +74,7 @@ class _Out:
 
 
 class _Peer:
-    """One connection: its send queue and where its receive state machine stands."""
+    """One connection: its send queue and its incoming stream."""
 
     def __init__(self, rank: int, sock: socket.socket, arenas: tuple[Arena, Arena] | None) -> None:
         self.rank = rank
@@ -88,14 +84,7 @@ class _Peer:
         self.queue: list[_Out] = []  # a heap: most urgent first
         self.inflight: deque[_Out] = deque()  # taken from the queue, being written in order
         self.writing = False
-        self.stage = bytearray(_STAGE_BYTES)
-        self.stage_view = memoryview(self.stage)
-        self.lo = 0  # staged bytes not yet parsed: stage[lo:hi]
-        self.hi = 0
-        self.header: Header | None = None
-        self.name_len = 0
-        self.payload: memoryview | None = None
-        self.filled = 0
+        self.reader = FrameReader(_STAGE_BYTES)  # the incoming stream, cut into frames
         self.lowat = 1  # the socket's SO_RCVLOWAT
         # wait for at most a quarter of the receive buffer the kernel granted (it caps SO_RCVBUF
         # at net.core.rmem_max): more could exceed what the window lets the sender send
@@ -301,8 +290,8 @@ class TcpTransport(Transport):
 
     def divert(self, peer_rank: int) -> None:
         peer = self._peers.get(peer_rank)
-        if peer is not None and peer.payload is not None:
-            peer.payload = memoryview(bytearray(len(peer.payload)))
+        if peer is not None:
+            peer.reader.divert()
 
     # ---- receiving -----------------------------------------------------------------------
 
@@ -318,31 +307,21 @@ class TcpTransport(Transport):
 
     def _read_once(self, peer: _Peer) -> bool:
         """One recv; returns False when the socket has nothing more (or the peer is gone)."""
-        if peer.payload is not None:
-            wanted = len(peer.payload) - peer.filled
-            n = peer.sock.recv_into(peer.payload[peer.filled :])
-            if n == 0:
-                return self._eof(peer)
-            peer.filled += n
-            if n == wanted:
-                self._set_lowat(peer, 1)  # the next header wakes us at once
-                self._deliver(peer)
-                return True
-            self._set_lowat(peer, min(wanted - n, peer.lowat_cap))
-            return False  # a short read means the socket is drained for now
-        if peer.lo == peer.hi:
-            peer.lo = peer.hi = 0
-        elif peer.hi == len(peer.stage):
-            peer.stage[: peer.hi - peer.lo] = peer.stage[peer.lo : peer.hi]
-            peer.hi -= peer.lo
-            peer.lo = 0
-        room = len(peer.stage) - peer.hi
-        n = peer.sock.recv_into(peer.stage_view[peer.hi :])
+        reader = peer.reader
+        room = reader.room()
+        n = peer.sock.recv_into(room)
         if n == 0:
             return self._eof(peer)
-        peer.hi += n
-        self._parse_staged(peer)
-        return n == room and peer.rank in self._peers  # a short read: drained for now
+        if reader.payload is None:  # headers (and small payloads) through the staging buffer
+            reader.received(n)
+            self._parse_staged(peer)
+            return n == len(room) and peer.rank in self._peers  # a short read: drained for now
+        if reader.received(n):
+            self._set_lowat(peer, 1)  # the next header wakes us at once
+            self._deliver(peer)
+            return True
+        self._set_lowat(peer, min(len(room) - n, peer.lowat_cap))
+        return False  # a short read means the socket is drained for now
 
     def _set_lowat(self, peer: _Peer, nbytes: int) -> None:
         """Wake for this peer only once ``nbytes`` have arrived (SO_RCVLOWAT; an EOF or an
@@ -360,33 +339,18 @@ class TcpTransport(Transport):
         peer.lowat = nbytes
 
     def _parse_staged(self, peer: _Peer) -> None:
-        """Take every complete header out of the staging buffer, and what payload follows it."""
-        while peer.payload is None:
-            available = peer.hi - peer.lo
-            if peer.header is None:
-                if available < HEADER.size:
-                    return
-                peer.name_len, peer.header = parse_header(
-                    peer.stage_view[peer.lo : peer.lo + HEADER.size]
-                )
-                peer.lo += HEADER.size
-                continue
-            if peer.name_len:
-                if available < peer.name_len:
-                    return
-                peer.header.name = bytes(peer.stage_view[peer.lo : peer.lo + peer.name_len])
-                peer.lo += peer.name_len
-                peer.name_len = 0
-                continue
-            if peer.header.type == CREDIT:
-                self._on_credit(peer, peer.header.instance)
-            elif peer.header.flags & FLAG_SHM:
-                self._from_arena(peer)
+        """Take every complete frame out of the staging buffer, and start the payload after."""
+        reader = peer.reader
+        while (header := reader.next_header()) is not None:
+            if header.type == CREDIT:
+                reader.skip()
+                self._on_credit(peer, header.instance)
+            elif header.flags & FLAG_SHM:
+                self._from_arena(peer, header)
             else:
-                self._start_payload(peer)
+                self._start_payload(peer, header)
 
     def _on_credit(self, peer: _Peer, position: int) -> None:
-        peer.header = None
         if peer.arena_out is None:
             raise FrameError(f"rank {peer.rank} returned arena space it was never given")
         try:
@@ -396,15 +360,14 @@ class TcpTransport(Transport):
         if not peer.inflight:
             self._flush(peer)
 
-    def _from_arena(self, peer: _Peer) -> None:
+    def _from_arena(self, peer: _Peer, header: Header) -> None:
         """A payload in the peer's arena: reduce straight from it, or copy it out; then credit."""
-        header, arena = peer.header, peer.arena_in
-        assert header is not None
+        arena = peer.arena_in
         if arena is None or header.type != DATA or not arena.fits(header.payload_len):
             raise FrameError(f"rank {peer.rank} sent a shared-memory frame this rank cannot read")
         view = arena.read(header.payload_len)
         if self.sink.frame_view(peer.rank, header, view):
-            peer.header = None
+            peer.reader.skip()
         else:
             dest = self.sink.frame_buffer(peer.rank, header) or memoryview(bytearray(len(view)))
             if len(dest) != len(view):
@@ -412,39 +375,31 @@ class TcpTransport(Transport):
                     f"rank {peer.rank} sent {len(view)} bytes where {len(dest)} were expected"
                 )
             copy_bytes(dest, view)
-            peer.payload = dest
-            self._deliver(peer)
+            peer.reader.skip()  # nothing of it was on the wire
+            self.sink.on_frame(peer.rank, header, dest)
         view.release()
         if arena.credit_due():  # credit in batches
             arena.credited = arena.position
             credit = pack_header(CREDIT, b"", arena.position, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
             self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)
 
-    def _start_payload(self, peer: _Peer) -> None:
-        assert peer.header is not None
-        size = peer.header.payload_len
-        if size and peer.hi - peer.lo >= size and peer.header.type == DATA:
-            staged = peer.stage_view[peer.lo : peer.lo + size]
-            if self.sink.frame_view(peer.rank, peer.header, staged):  # consumed where it lies
-                peer.lo += size
-                peer.header = None
+    def _start_payload(self, peer: _Peer, header: Header) -> None:
+        reader, size = peer.reader, header.payload_len
+        if size and header.type == DATA:
+            staged = reader.staged_payload(size)
+            if staged is not None and self.sink.frame_view(peer.rank, header, staged):
+                reader.skip(size)  # consumed where it lies
                 return
-        dest = self.sink.frame_buffer(peer.rank, peer.header)
+        dest = self.sink.frame_buffer(peer.rank, header)
         if dest is None:
             dest = memoryview(bytearray(size))
         elif len(dest) != size:
             raise FrameError(f"rank {peer.rank} sent {size} bytes where {len(dest)} were expected")
-        take = min(size, peer.hi - peer.lo)
-        dest[:take] = peer.stage_view[peer.lo : peer.lo + take]
-        peer.lo += take
-        peer.payload, peer.filled = dest, take
-        if take == size:
+        if reader.land(dest):
             self._deliver(peer)
 
     def _deliver(self, peer: _Peer) -> None:
-        header, payload = peer.header, peer.payload
-        assert header is not None and payload is not None
-        peer.header, peer.payload, peer.filled = None, None, 0
+        header, payload = peer.reader.finish()
         if header.type == GOODBYE:
             peer.said_goodbye = True
         self.sink.on_frame(peer.rank, header, payload)
@@ -452,7 +407,7 @@ class TcpTransport(Transport):
     def _eof(self, peer: _Peer) -> bool:
         """EOF is the end of a closing handshake (either side said goodbye), else a failure."""
         orderly = peer.said_goodbye or self._leaving
-        if orderly and peer.header is None and peer.lo == peer.hi:
+        if orderly and peer.reader.between_frames():
             for out in self._remove(peer):
                 self.sink.on_sent(out.token)  # never leaving now: nobody waits for them
             return False

@@ -7,11 +7,14 @@ straight into the socket; otherwise it is queued, and a peer's queue is a heap o
 granularity, and among equals the older operation's frames go first, so operations in flight
 together finish one after another, as early as each can, instead of all at the end. Headers
 and payloads leave together in one ``sendmsg``, several small frames at a time. Receiving
-reads headers through a small staging buffer (several small frames per ``recv``); a payload
-that came whole with its header may be consumed right there (``frame_view``), else, once
-the header is checked, the payload is received straight into the buffer the sink names,
-usually its final place, waking only once a good part of the rest has arrived
-(SO_RCVLOWAT). EOF, a reset, or a frame that breaks the protocol ends that connection and is
+is the sans-IO ``FrameReader`` (frame.py) fed from the socket: headers come through a small
+staging buffer (several small frames per ``recv``); a payload that came whole with its header
+may be consumed right there (``frame_view``), else, once the header is checked, the payload
+is received straight into the buffer the sink names, usually its final place, waking only
+once a good part of the rest has arrived (SO_RCVLOWAT). A large payload to a same-host peer
+travels in its shared-memory arena instead (the shm lane: a flagged header on the wire,
+CREDIT frames returning the space). Closing is a handshake: GOODBYE, half-close, read to EOF.
+EOF otherwise, a reset, or a frame that breaks the protocol ends that connection and is
 reported once.
 """
 
@@ -23,9 +26,9 @@ import itertools
 import selectors
 import socket
 from collections import deque
-from dataclasses import dataclass, field
 
 from .base import FrameSink, Transport
+from .connection import Connection, Outgoing
 from .frame import (
     CREDIT,
     DATA,
@@ -33,7 +36,6 @@ from .frame import (
     GOODBYE,
     Descriptor,
     FrameError,
-    FrameReader,
     Header,
     pack_header,
     with_flags,
@@ -44,53 +46,10 @@ from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 __all__ = ["TcpTransport", "connect_mesh", "HELLO"]  # the last two live in mesh.py
 
-_STAGE_BYTES = 64 << 10
 _READS_PER_EVENT = 64
 _BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)
 _BATCH_BYTES = 1 << 20  # small frames are batched up to this size
 _BURST_BYTES = 4 << 20  # written to one peer before incoming frames are read again
-_LOWAT_BYTES = 512 << 10  # the most of a payload's rest to wait for before waking (_set_lowat)
-
-
-@dataclass(order=True)
-class _Out:
-    """One queued frame; ``sent`` bytes of head+payload have left already."""
-
-    rank: tuple[int, int, int]  # (-priority, age, order): the heap's order
-    head: bytes = field(compare=False)
-    payload: memoryview = field(compare=False)
-    token: object = field(compare=False)
-    sent: int = field(default=0, compare=False)
-
-    def remaining(self) -> list[memoryview | bytes]:
-        h = len(self.head)
-        if self.sent < h:
-            return [self.head[self.sent :], self.payload]
-        return [self.payload[self.sent - h :]]
-
-    @property
-    def size(self) -> int:
-        return len(self.head) + len(self.payload)
-
-
-class _Peer:
-    """One connection: its send queue and its incoming stream."""
-
-    def __init__(self, rank: int, sock: socket.socket, arenas: tuple[Arena, Arena] | None) -> None:
-        self.rank = rank
-        self.sock = sock
-        self.arena_out: Arena | None = arenas[0] if arenas else None  # we write, it reads
-        self.arena_in: Arena | None = arenas[1] if arenas else None  # it writes, we read
-        self.queue: list[_Out] = []  # a heap: most urgent first
-        self.inflight: deque[_Out] = deque()  # taken from the queue, being written in order
-        self.writing = False
-        self.reader = FrameReader(_STAGE_BYTES)  # the incoming stream, cut into frames
-        self.lowat = 1  # the socket's SO_RCVLOWAT
-        # wait for at most a quarter of the receive buffer the kernel granted (it caps SO_RCVBUF
-        # at net.core.rmem_max): more could exceed what the window lets the sender send
-        self.lowat_cap = min(_LOWAT_BYTES, _receive_buffer(sock) // 4)
-        self.said_goodbye = False  # the peer is closing in good order: EOF is expected
-        self.half_close = False  # shut our side once the queue is empty
 
 
 class TcpTransport(Transport):
@@ -110,12 +69,12 @@ class TcpTransport(Transport):
         self._order = itertools.count()
         self._wake = WakeUp()
         self._selector.register(self._wake.reader, selectors.EVENT_READ, None)
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, Connection] = {}
         self._leaving = False  # we said goodbye: peers' EOFs are expected
-        self._gone: list[_Peer] = []
+        self._gone: list[Connection] = []
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
-            peer = _Peer(peer_rank, sock, (arenas or {}).get(peer_rank))
+            peer = Connection(peer_rank, sock, (arenas or {}).get(peer_rank))
             self._peers[peer_rank] = peer
             self._selector.register(sock, selectors.EVENT_READ, peer)
 
@@ -137,18 +96,18 @@ class TcpTransport(Transport):
         if idle and (target.arena_out is None or payload.nbytes < SHM_MIN_BYTES):
             self._send_now(target, head, payload, token, (-priority, age, 0))
             return
-        out = _Out((-priority, age, next(self._order)), head, payload, token)
+        out = Outgoing((-priority, age, next(self._order)), head, payload, token)
         heapq.heappush(target.queue, out)
         if not target.inflight and not target.writing:  # writing: poll() flushes when it may
             self._flush(target)
 
     def _send_now(
         self,
-        peer: _Peer,
+        peer: Connection,
         head: bytes,
         payload: memoryview,
         token: object,
-        rank: tuple[int, int, int],
+        order: tuple[int, int, int],
     ) -> None:
         """A frame to an idle connection: straight into the socket, no queueing (the common
         case of a small operation); what does not fit is queued in flight as usual."""
@@ -157,16 +116,16 @@ class TcpTransport(Transport):
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError as exc:
-            peer.inflight.append(_Out(rank, head, payload, token))
+            peer.inflight.append(Outgoing(order, head, payload, token))
             self._lose(peer, exc)  # which reports it unsent
             return
         if n == len(head) + payload.nbytes:
             self.sink.on_sent(token)
             return
-        peer.inflight.append(_Out(rank, head, payload, token, n))
+        peer.inflight.append(Outgoing(order, head, payload, token, n))
         self._want_write(peer, True)
 
-    def _flush(self, peer: _Peer) -> None:
+    def _flush(self, peer: Connection) -> None:
         """Write queued frames until the socket is full; several small frames per sendmsg.
 
         At most _BURST_BYTES per call: then the loop reads what came in (a FLOW "hold", a
@@ -198,7 +157,7 @@ class TcpTransport(Transport):
             self._advance(peer, n)
             written += n
 
-    def _take_batch(self, peer: _Peer) -> None:
+    def _take_batch(self, peer: Connection) -> None:
         """Move the most urgent frames into flight: one large frame, or many small ones."""
         total = 0
         while peer.queue and len(peer.inflight) < _BATCH_FRAMES:
@@ -210,7 +169,7 @@ class TcpTransport(Transport):
             peer.inflight.append(out)
             total += out.size
 
-    def _to_arena(self, peer: _Peer, out: _Out) -> bool:
+    def _to_arena(self, peer: Connection, out: Outgoing) -> bool:
         """Move a large payload for a same-host peer into its arena; False if no room yet."""
         arena = peer.arena_out
         size = out.payload.nbytes
@@ -222,7 +181,7 @@ class TcpTransport(Transport):
         out.payload = memoryview(b"")
         return True
 
-    def _advance(self, peer: _Peer, n: int) -> None:
+    def _advance(self, peer: Connection, n: int) -> None:
         while n:
             out = peer.inflight[0]
             took = min(n, out.size - out.sent)
@@ -234,13 +193,13 @@ class TcpTransport(Transport):
         while peer.inflight and peer.inflight[0].sent == peer.inflight[0].size:
             self.sink.on_sent(peer.inflight.popleft().token)  # empty frames: nothing to write
 
-    def _want_write(self, peer: _Peer, on: bool) -> None:
+    def _want_write(self, peer: Connection, on: bool) -> None:
         if peer.writing != on and peer.rank in self._peers:
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
             self._selector.modify(peer.sock, events, peer)
             peer.writing = on
 
-    def _shut_write(self, peer: _Peer) -> None:
+    def _shut_write(self, peer: Connection) -> None:
         peer.half_close = False
         try:
             peer.sock.shutdown(socket.SHUT_WR)
@@ -251,7 +210,7 @@ class TcpTransport(Transport):
         self._leaving = True
         head = pack_header(GOODBYE, b"", 0, 0, 0, len(reason), Descriptor(0, 0, 0, 0, 0))
         for peer in list(self._peers.values()):
-            out = _Out((-(1 << 62), 0, next(self._order)), head, memoryview(reason), None)
+            out = Outgoing((-(1 << 62), 0, next(self._order)), head, memoryview(reason), None)
             heapq.heappush(peer.queue, out)
             peer.half_close = True
             if not peer.inflight:
@@ -295,7 +254,7 @@ class TcpTransport(Transport):
 
     # ---- receiving -----------------------------------------------------------------------
 
-    def _on_readable(self, peer: _Peer) -> None:
+    def _on_readable(self, peer: Connection) -> None:
         try:
             for _ in range(_READS_PER_EVENT):
                 if not self._read_once(peer):
@@ -305,7 +264,7 @@ class TcpTransport(Transport):
         except (OSError, FrameError) as exc:
             self._lose(peer, exc)
 
-    def _read_once(self, peer: _Peer) -> bool:
+    def _read_once(self, peer: Connection) -> bool:
         """One recv; returns False when the socket has nothing more (or the peer is gone)."""
         reader = peer.reader
         room = reader.room()
@@ -323,7 +282,7 @@ class TcpTransport(Transport):
         self._set_lowat(peer, min(len(room) - n, peer.lowat_cap))
         return False  # a short read means the socket is drained for now
 
-    def _set_lowat(self, peer: _Peer, nbytes: int) -> None:
+    def _set_lowat(self, peer: Connection, nbytes: int) -> None:
         """Wake for this peer only once ``nbytes`` have arrived (SO_RCVLOWAT; an EOF or an
         error wakes at once). Used for the rest of a payload, which its sender writes whole:
         one wake-up per ~half a megabyte instead of one per ~64 KiB the network delivers,
@@ -338,7 +297,7 @@ class TcpTransport(Transport):
             return
         peer.lowat = nbytes
 
-    def _parse_staged(self, peer: _Peer) -> None:
+    def _parse_staged(self, peer: Connection) -> None:
         """Take every complete frame out of the staging buffer, and start the payload after."""
         reader = peer.reader
         while (header := reader.next_header()) is not None:
@@ -350,7 +309,7 @@ class TcpTransport(Transport):
             else:
                 self._start_payload(peer, header)
 
-    def _on_credit(self, peer: _Peer, position: int) -> None:
+    def _on_credit(self, peer: Connection, position: int) -> None:
         if peer.arena_out is None:
             raise FrameError(f"rank {peer.rank} returned arena space it was never given")
         try:
@@ -360,7 +319,7 @@ class TcpTransport(Transport):
         if not peer.inflight:
             self._flush(peer)
 
-    def _from_arena(self, peer: _Peer, header: Header) -> None:
+    def _from_arena(self, peer: Connection, header: Header) -> None:
         """A payload in the peer's arena: reduce straight from it, or copy it out; then credit."""
         arena = peer.arena_in
         if arena is None or header.type != DATA or not arena.fits(header.payload_len):
@@ -383,7 +342,7 @@ class TcpTransport(Transport):
             credit = pack_header(CREDIT, b"", arena.position, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
             self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)
 
-    def _start_payload(self, peer: _Peer, header: Header) -> None:
+    def _start_payload(self, peer: Connection, header: Header) -> None:
         reader, size = peer.reader, header.payload_len
         if size and header.type == DATA:
             staged = reader.staged_payload(size)
@@ -398,13 +357,13 @@ class TcpTransport(Transport):
         if reader.land(dest):
             self._deliver(peer)
 
-    def _deliver(self, peer: _Peer) -> None:
+    def _deliver(self, peer: Connection) -> None:
         header, payload = peer.reader.finish()
         if header.type == GOODBYE:
             peer.said_goodbye = True
         self.sink.on_frame(peer.rank, header, payload)
 
-    def _eof(self, peer: _Peer) -> bool:
+    def _eof(self, peer: Connection) -> bool:
         """EOF is the end of a closing handshake (either side said goodbye), else a failure."""
         orderly = peer.said_goodbye or self._leaving
         if orderly and peer.reader.between_frames():
@@ -429,7 +388,7 @@ class TcpTransport(Transport):
     def wakeup(self) -> None:
         self._wake.wake()
 
-    def _remove(self, peer: _Peer) -> list[_Out]:
+    def _remove(self, peer: Connection) -> list[Outgoing]:
         """Forget ``peer``; return the frames that will now never leave."""
         if self._peers.pop(peer.rank, None) is None:
             return []
@@ -440,7 +399,7 @@ class TcpTransport(Transport):
         peer.queue, peer.inflight = [], deque()
         return unsent
 
-    def _lose(self, peer: _Peer, error: BaseException) -> None:
+    def _lose(self, peer: Connection, error: BaseException) -> None:
         if peer.rank not in self._peers:
             return
         unsent = self._remove(peer)
@@ -463,13 +422,3 @@ class TcpTransport(Transport):
         self._peers.clear()
         self._selector.close()
         self._wake.close()
-
-
-def _receive_buffer(sock: socket.socket) -> int:
-    """The receive buffer the kernel granted this socket (0 if it will not say)."""
-    try:
-        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
-    except OSError:
-        return 0
-
-

@@ -45,8 +45,9 @@ def read_all(
         pos += n
         if reader.payload is not None:
             if reader.received(n):
-                header, payload = reader.finish()
-                got.append((header.name, header.instance, bytes(payload), "landed"))
+                header = reader.header
+                assert header is not None
+                got.append((header.name, header.instance, bytes(reader.finish()), "landed"))
             continue
         reader.received(n)
         while (header := reader.next_header()) is not None:
@@ -56,8 +57,7 @@ def read_all(
                 got.append((header.name, header.instance, bytes(staged), "view"))
                 reader.skip(size)
             elif reader.land(memoryview(bytearray(size))):
-                header, payload = reader.finish()
-                got.append((header.name, header.instance, bytes(payload), "landed"))
+                got.append((header.name, header.instance, bytes(reader.finish()), "landed"))
     return got
 
 
@@ -96,7 +96,7 @@ def test_a_payload_lands_in_the_buffer_given_and_the_rest_is_received_into_it() 
     assert room.obj is dest.obj and len(room) == len(payload) - 100  # zero copy: straight in
     room[:] = data[first:]
     assert reader.received(len(room))
-    header, landed = reader.finish()
+    landed = reader.finish()
     assert landed is dest and bytes(landed) == payload
     assert reader.between_frames()
 
@@ -113,7 +113,7 @@ def test_divert_moves_the_rest_of_a_payload_out_of_the_buffer_given() -> None:
     room = reader.room()
     room[:] = data[-5:]
     assert reader.received(5)
-    _, payload = reader.finish()
+    payload = reader.finish()
     assert payload is not dest and bytes(dest[:3]) == b"abc" and bytes(dest[3:]) == bytes(5)
 
 

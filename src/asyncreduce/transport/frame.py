@@ -162,7 +162,8 @@ class FrameReader:
     which copies what is staged of the payload into ``dest`` and makes ``room()`` the rest of
     ``dest``, so the rest is received straight into its final place, with no copy. ``land``
     and ``received`` return True once the payload is whole; ``finish()`` then hands back
-    (header, payload) and the reader waits for the next header.
+    the payload (``header`` is the frame's until then) and the reader waits for the next one.
+    Nothing here allocates per frame beyond the views the caller consumes.
     """
 
     __slots__ = ("_stage", "_view", "_lo", "_hi", "header", "_name_len", "payload", "filled")
@@ -239,12 +240,13 @@ class FrameReader:
         self.payload, self.filled = dest, take
         return take == len(dest)
 
-    def finish(self) -> tuple[Header, memoryview]:
-        """The whole frame (header, payload); the reader moves on to the next header."""
-        header, payload = self.header, self.payload
-        assert header is not None and payload is not None
+    def finish(self) -> memoryview:
+        """The whole payload of the current frame (read ``header`` first); the reader moves on
+        to the next header. (No tuple: nothing is allocated per frame.)"""
+        payload = self.payload
+        assert payload is not None
         self.header, self.payload, self.filled = None, None, 0
-        return header, payload
+        return payload
 
     def divert(self) -> None:
         """Land the rest of the current payload in a private buffer instead of ``dest``."""

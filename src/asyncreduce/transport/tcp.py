@@ -358,7 +358,9 @@ class TcpTransport(Transport):
             self._deliver(peer)
 
     def _deliver(self, peer: Connection) -> None:
-        header, payload = peer.reader.finish()
+        header = peer.reader.header
+        payload = peer.reader.finish()
+        assert header is not None
         if header.type == GOODBYE:
             peer.said_goodbye = True
         self.sink.on_frame(peer.rank, header, payload)

@@ -66,7 +66,7 @@ _SOCKET_BUFFER = 4 << 20
 # for, and the first drop of each cause is logged at WARNING, later ones at DEBUG.
 
 _AUTH_GREETING = b"ARDHAUTH"  # a dialer that authenticates opens with this instead of a HELLO
-_NO_AUTH = b"ARDHNONE"  # an acceptor without a secret answers an authenticating dialer so
+_NO_AUTH = b"ARDHNONE"  # what an acceptor without a secret answers a dialer that authenticates
 _CONTEXT = b"asyncreduce data v1"  # what the HMAC proofs of this protocol are bound to
 _GREETINGS = Greetings(_AUTH_GREETING, _NO_AUTH, _CONTEXT, client="peer", server="rank")
 _HANDSHAKE_SECONDS = 5.0

@@ -38,7 +38,7 @@ from asyncreduce.auth import (
 )
 from asyncreduce.errors import UsageError
 from asyncreduce.rendezvous import _CONTEXT, TCPStore
-from asyncreduce.transport.tcp import connect_mesh
+from asyncreduce.transport.mesh import connect_mesh
 from spmd import free_port
 
 LOCAL = "127.0.0.1"

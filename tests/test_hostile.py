@@ -36,9 +36,10 @@ import pytest
 import asyncreduce
 from asyncreduce.auth import PROOF_BYTES, ClientHandshake, Secret
 from asyncreduce.rendezvous import _CONTEXT, _MAX_FRAME, _MAX_PENDING, TCPStore
-from asyncreduce.transport import tcp
+from asyncreduce.transport import mesh as mesh_module
 from asyncreduce.transport.frame import DATA, HEADER, Descriptor, FrameError, pack_header
-from asyncreduce.transport.tcp import HELLO, TcpTransport, connect_mesh
+from asyncreduce.transport.mesh import HELLO, connect_mesh
+from asyncreduce.transport.tcp import TcpTransport
 
 LOCAL = "127.0.0.1"
 SECRET = "hostile-test-" + os.urandom(8).hex()
@@ -123,7 +124,8 @@ SERVER = r"""
 import os, sys
 from asyncreduce import rendezvous
 from asyncreduce.auth import Secret
-rendezvous._HANDSHAKE_SECONDS = float(sys.argv[1])
+from asyncreduce.rendezvous import server
+server._HANDSHAKE_SECONDS = float(sys.argv[1])
 secret = Secret(sys.argv[2]) if len(sys.argv) > 2 else None
 with rendezvous.TCPStore("127.0.0.1", 0, is_server=True, timeout=10.0, secret=secret) as store:
     store.set("kept", b"data")
@@ -413,7 +415,7 @@ class Mesh:
 
 @pytest.fixture(params=MODES)
 def mesh(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Mesh]:
-    monkeypatch.setattr(tcp, "_HANDSHAKE_SECONDS", HANDSHAKE_SECONDS)
+    monkeypatch.setattr(mesh_module, "_HANDSHAKE_SECONDS", HANDSHAKE_SECONDS)
     secret = Secret(SECRET) if request.param == "secret" else None
     listener = socket.create_server((LOCAL, 0), backlog=64)
     addresses = [(LOCAL, int(listener.getsockname()[1])), (LOCAL, 0)]
@@ -514,7 +516,7 @@ def test_data_listener_idle_connections(mesh: Mesh) -> None:
         time.sleep(0.2)  # rank 0 accepts them all
         # ours (IDLE) plus rank 0's (at most _MAX_PENDING + the one rank it waits for)
         peak = fds(me) - base - IDLE
-        assert peak <= tcp._MAX_PENDING + 1 + 2, peak
+        assert peak <= mesh_module._MAX_PENDING + 1 + 2, peak
         took = mesh.join_as_rank_1()
         assert took < 2.0
         for sock in idle:  # rank 0 hung up on every one of them once it was done

@@ -5,8 +5,8 @@ Theory of operation
 When the job has a secret (``ASYNCREDUCE_SECRET``, or ``ASYNCREDUCE_SECRET_FILE`` naming a
 file only its owner may read), both ends of every store and data connection prove that they
 know it before anything else on the connection is parsed. The client opens with a greeting
-that says "I authenticate" (each protocol has its own; see rendezvous.py and transport/tcp.py),
-then, all messages fixed-size::
+that says "I authenticate" (each protocol has its own: rendezvous/wire.py, transport/mesh.py;
+the rules both servers follow are in transport/listener.py), then, all messages fixed-size::
 
     server -> client   greeting | nonce_s                       (32 random bytes)
     client -> server   HMAC(secret, context|client|nonce_s|nonce_c) | nonce_c

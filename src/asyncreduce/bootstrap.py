@@ -39,8 +39,9 @@ from .errors import UsageError
 from .launchers import Place, Rendezvous, detect
 from .protocol.operation import Settings
 from .rendezvous import PrefixStore, Store, TCPStore, gather, store_from_env_or_args
+from .transport.mesh import connect_mesh
 from .transport.shm import Arena, create_arena, host_identity, open_arena
-from .transport.tcp import TcpTransport, connect_mesh
+from .transport.tcp import TcpTransport
 
 __all__ = ["connect", "init"]
 

@@ -147,3 +147,112 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
 def with_flags(head: bytes, flags: int) -> bytes:
     """A packed header (and name) with its flags byte replaced."""
     return head[:_FLAGS_AT] + bytes((flags,)) + head[_FLAGS_AT + 1 :]
+
+
+class FrameReader:
+    """One connection's incoming byte stream cut into frames, with no socket (h11's
+    ReceiveBuffer): its owner receives into ``room()``, says how much came with
+    ``received(n)``, and takes frames out.
+
+    Headers are read through a small staging buffer, several small frames per receive.
+    ``next_header()`` returns each complete header (its name read, every field checked by
+    ``parse_header``), and the owner settles it before asking for the next: ``skip(n)`` when
+    no payload follows on the wire (n = 0: a CREDIT, a shared-memory frame) or when the staged
+    payload was consumed where it lies (``staged_payload()``, n = its size); or ``land(dest)``,
+    which copies what is staged of the payload into ``dest`` and makes ``room()`` the rest of
+    ``dest``, so the rest is received straight into its final place, with no copy. ``land``
+    and ``received`` return True once the payload is whole; ``finish()`` then hands back
+    the payload (``header`` is the frame's until then) and the reader waits for the next one.
+    Nothing here allocates per frame beyond the views the caller consumes.
+    """
+
+    __slots__ = ("_stage", "_view", "_lo", "_hi", "header", "_name_len", "payload", "filled")
+
+    def __init__(self, stage_bytes: int) -> None:
+        self._stage = bytearray(stage_bytes)
+        self._view = memoryview(self._stage)
+        self._lo = 0  # staged bytes not yet parsed: _stage[_lo:_hi]
+        self._hi = 0
+        self.header: Header | None = None  # the frame being read, once its fixed part is in
+        self._name_len = 0  # bytes of its name still to come
+        self.payload: memoryview | None = None  # where its payload lands (set by land)
+        self.filled = 0  # bytes of payload landed so far
+
+    def room(self) -> memoryview:
+        """Where the next received bytes go: the rest of the payload being landed, else the
+        free end of the staging buffer (made contiguous first when it ran full)."""
+        if self.payload is not None:
+            return self.payload[self.filled :]
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._hi == len(self._stage):
+            self._stage[: self._hi - self._lo] = self._stage[self._lo : self._hi]
+            self._hi -= self._lo
+            self._lo = 0
+        return self._view[self._hi :]
+
+    def received(self, nbytes: int) -> bool:
+        """``nbytes`` went into ``room()``; True if they completed the payload (``finish``)."""
+        if self.payload is not None:
+            self.filled += nbytes
+            return self.filled == len(self.payload)
+        self._hi += nbytes
+        return False
+
+    def next_header(self) -> Header | None:
+        """The current frame's header once it and its name are staged; None while more bytes
+        are needed or its payload is being landed. It stays current until settled."""
+        header = self.header
+        if header is None:
+            if self._hi - self._lo < HEADER.size:
+                return None
+            self._name_len, header = parse_header(self._view[self._lo : self._lo + HEADER.size])
+            self._lo += HEADER.size
+            self.header = header
+        elif self.payload is not None:
+            return None
+        if self._name_len:
+            if self._hi - self._lo < self._name_len:
+                return None
+            header.name = bytes(self._view[self._lo : self._lo + self._name_len])
+            self._lo += self._name_len
+            self._name_len = 0
+        return header
+
+    def staged_payload(self, size: int) -> memoryview | None:
+        """The current frame's ``size``-byte payload where it lies in the staging buffer, if it
+        is all staged (valid until the next ``room()``), else None."""
+        if self._hi - self._lo < size:
+            return None
+        return self._view[self._lo : self._lo + size]
+
+    def skip(self, nbytes: int = 0) -> None:
+        """Settle the current frame: ``nbytes`` of staged payload were consumed where they lie."""
+        self._lo += nbytes
+        self.header = None
+
+    def land(self, dest: memoryview) -> bool:
+        """Settle the current frame's payload into ``dest`` (exactly its size); True if all of
+        it was staged already."""
+        take = min(len(dest), self._hi - self._lo)
+        dest[:take] = self._view[self._lo : self._lo + take]
+        self._lo += take
+        self.payload, self.filled = dest, take
+        return take == len(dest)
+
+    def finish(self) -> memoryview:
+        """The whole payload of the current frame (read ``header`` first); the reader moves on
+        to the next header. (No tuple: nothing is allocated per frame.)"""
+        payload = self.payload
+        assert payload is not None
+        self.header, self.payload, self.filled = None, None, 0
+        return payload
+
+    def divert(self) -> None:
+        """Land the rest of the current payload in a private buffer instead of ``dest``."""
+        if self.payload is not None:
+            self.payload = memoryview(bytearray(len(self.payload)))
+
+    def between_frames(self) -> bool:
+        """No frame begun and nothing staged: the stream may end here in good order."""
+        return self.header is None and self._lo == self._hi

@@ -1,0 +1,363 @@
+"""The mesh: one authenticated TCP connection between every pair of ranks, built once.
+
+Theory of operation. ``connect_mesh`` runs on every rank at init: the rank listens, publishes
+its address through the rendezvous store, connects to every lower rank and accepts every
+higher one. Each connection opens with a HELLO (magic, version, rank, world size, job token)
+that the acceptor checks and echoes; anything else is dropped. With a shared secret an HMAC
+challenge-response comes first (the notes below, and auth.py). The sockets it returns are
+handed to ``TcpTransport`` (tcp.py), which knows nothing of how they were made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import struct
+import time
+
+from ..auth import (
+    ANSWER_BYTES,
+    FROM_ENV,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    REJECTED,
+    ClientHandshake,
+    RejectionLog,
+    Secret,
+    SecretArg,
+    ServerHandshake,
+    resolve_secret,
+    warn_if_exposed,
+)
+from .listener import (
+    ADMIT,
+    CHALLENGE,
+    Greetings,
+    Listener,
+    answer_greeting,
+    needs_secret,
+    recv_exact,
+    refusal_detail,
+    unexpected_secret,
+)
+
+__all__ = ["HELLO", "connect_mesh"]
+
+log = logging.getLogger("asyncreduce.transport")
+
+HELLO = struct.Struct("<4sBII16s")
+_HELLO_MAGIC = b"ARDH"
+_SOCKET_BUFFER = 4 << 20
+
+# The handshake, every message fixed-size and every wait under a deadline:
+#
+#   without a secret   dialer -> HELLO                   acceptor -> HELLO
+#   with a secret      dialer -> "ARDHAUTH"              acceptor -> "ARDHAUTH" | nonce_s
+#                      dialer -> answer | HELLO          acceptor -> proof | HELLO
+#
+# (answer and proof as in auth.py: one extra round trip.) The acceptor reads the dialer's HELLO
+# only once the answer has proved the secret. An acceptor that gets the other greeting than the
+# one it expects answers with its own ("ARDHAUTH", or "ARDHNONE" when it has no secret) and
+# hangs up, so the dialer can say which side lacks the secret. The acceptor runs any number of
+# handshakes at once under the rules of listener.py: each is dropped if not done within
+# _HANDSHAKE_SECONDS, at most _MAX_PENDING unfinished ones are kept beyond the ranks it waits
+# for, and the first drop of each cause is logged at WARNING, later ones at DEBUG.
+
+_AUTH_GREETING = b"ARDHAUTH"  # a dialer that authenticates opens with this instead of a HELLO
+_NO_AUTH = b"ARDHNONE"  # what an acceptor without a secret answers a dialer that authenticates
+_CONTEXT = b"asyncreduce data v1"  # what the HMAC proofs of this protocol are bound to
+_GREETINGS = Greetings(_AUTH_GREETING, _NO_AUTH, _CONTEXT, client="peer", server="rank")
+_HANDSHAKE_SECONDS = 5.0
+_MAX_PENDING = 128
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+def _hello(rank: int, world_size: int, token: bytes) -> bytes:
+    return HELLO.pack(_HELLO_MAGIC, 1, rank, world_size, token)
+
+
+def _check_hello(data: bytes, world_size: int, token: bytes) -> int:
+    """The rank a HELLO claims, after checking that it comes from a rank of this job."""
+    magic, version, rank, size, their_token = HELLO.unpack(data)
+    if magic != _HELLO_MAGIC or version != 1:
+        raise ConnectionError("not an asyncreduce peer")
+    if size != world_size or their_token != token or not 0 <= rank < world_size:
+        raise ConnectionError(f"peer claims rank {rank} of {size} in another job")
+    return int(rank)
+
+
+def connect_mesh(
+    rank: int,
+    world_size: int,
+    listener: socket.socket,
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    deadline: float,
+    *,
+    secret: SecretArg = FROM_ENV,
+) -> dict[int, socket.socket]:
+    """Connect to every lower rank, accept every higher one; return {peer rank: socket}.
+
+    ``listener`` is this rank's listening socket, already published as ``addresses[rank]``.
+    ``secret`` (default: from ASYNCREDUCE_SECRET / ASYNCREDUCE_SECRET_FILE) makes every
+    connection prove it both ways first; a peer that disagrees about the secret makes the
+    dialer raise AuthenticationError and is dropped by the acceptor. Raises TimeoutError
+    naming the ranks that never connected (and why connections were dropped, if any were).
+    """
+    key = resolve_secret(secret)
+    host, port = listener.getsockname()[:2]
+    warn_if_exposed(str(host), int(port), f"data listener of rank {rank}", key)
+    socks: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            socks[peer] = _dial(rank, world_size, peer, addresses[peer], token, deadline, key)
+        _Acceptor(rank, world_size, listener, token, deadline, key).run(socks)
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
+    return socks
+
+
+def _dial(
+    rank: int,
+    world_size: int,
+    peer: int,
+    address: tuple[str, int],
+    token: bytes,
+    deadline: float,
+    secret: Secret | None,
+) -> socket.socket:
+    """A connection to ``peer``, handshake done; retried while the peer refuses or hangs up."""
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(address)
+            hello = _handshake_out(sock, rank, world_size, peer, address, token, deadline, secret)
+            if _check_hello(hello, world_size, token) != peer:
+                raise ConnectionError(f"{address} is not rank {peer}")
+            return sock
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"rank {rank} could not connect to rank {peer} at {address}"
+                ) from exc
+            time.sleep(0.05)
+        except TimeoutError as exc:
+            sock.close()
+            raise TimeoutError(
+                f"rank {rank} could not connect to rank {peer} at {address}"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+
+
+def _handshake_out(
+    sock: socket.socket,
+    rank: int,
+    world_size: int,
+    peer: int,
+    address: tuple[str, int],
+    token: bytes,
+    deadline: float,
+    secret: Secret | None,
+) -> bytes:
+    """The dialer's side of the handshake; returns the acceptor's HELLO, not yet checked."""
+    who = f"rank {peer} at {address[0]}:{address[1]}"
+    if secret is None:
+        sock.sendall(_hello(rank, world_size, token))
+        reply = recv_exact(sock, HELLO.size, deadline, who)
+        if reply.startswith(_AUTH_GREETING):
+            raise needs_secret(who, f"rank {rank}")
+        return reply
+    sock.sendall(_AUTH_GREETING)
+    greeting = recv_exact(sock, len(_AUTH_GREETING), deadline, who)
+    if greeting == _NO_AUTH:
+        raise unexpected_secret(who, f"rank {rank}")
+    if greeting != _AUTH_GREETING:
+        raise ConnectionError(f"{who} is not an asyncreduce peer (it answered {greeting!r})")
+    handshake = ClientHandshake(secret, _CONTEXT)
+    answer = handshake.answer(recv_exact(sock, NONCE_BYTES, deadline, who))
+    sock.sendall(answer + _hello(rank, world_size, token))
+    handshake.check(recv_exact(sock, PROOF_BYTES, deadline, who), who)
+    return recv_exact(sock, HELLO.size, deadline, who)
+
+
+class _Incoming:
+    """An accepted connection whose handshake is not done: what it sent so far."""
+
+    __slots__ = ("sock", "peer", "inbuf", "auth")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.inbuf = bytearray()
+        self.auth: ServerHandshake | None = None  # set once it asked to authenticate
+
+
+class _Acceptor:
+    """The accepting half of connect_mesh: every handshake at once, each under its deadline."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        listener: socket.socket,
+        token: bytes,
+        deadline: float,
+        secret: Secret | None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self.deadline = deadline
+        self.secret = secret
+        self.expected = set(range(rank + 1, world_size))
+        self.rejections = RejectionLog(log, f"rank {rank}")
+        self.selector = selectors.DefaultSelector()
+        self.listener: Listener[_Incoming] | None = None
+        if self.expected:
+            self.listener = Listener(
+                listener, self.selector, self.rejections, _Incoming, self._reject,
+                handshake_seconds=_HANDSHAKE_SECONDS,
+                max_pending=_MAX_PENDING + len(self.expected),
+            )  # fmt: skip
+
+    def run(self, socks: dict[int, socket.socket]) -> None:
+        """Accept until every higher rank is in ``socks``; TimeoutError at the deadline."""
+        try:
+            while self.listener is not None and self.expected:
+                for key, _ in self.selector.select(self._next_timeout(self.listener)):
+                    if key.data is self.listener:
+                        self.listener.accept(self.deadline)
+                    else:
+                        self._on_readable(key.data, socks)
+                self.listener.on_clock()
+        finally:
+            for incoming in self.listener.unfinished() if self.listener else []:
+                self._close(incoming)
+            self.selector.close()
+
+    def _next_timeout(self, listener: Listener[_Incoming]) -> float | None:
+        if time.monotonic() >= self.deadline:
+            missing = ", ".join(map(str, sorted(self.expected)))
+            summary = self.rejections.summary()
+            raise TimeoutError(
+                f"rank {self.rank}: ranks {missing} never connected"
+                + (f"; this rank {summary}, see the warnings" if summary else "")
+            )
+        return listener.timeout(self.deadline)
+
+    def _pending(self, incoming: _Incoming) -> bool:
+        return self.listener is not None and self.listener.is_pending(incoming)
+
+    def _need(self, incoming: _Incoming) -> int:
+        """How many bytes the current handshake step takes (never more is read)."""
+        if incoming.auth is not None:
+            return ANSWER_BYTES + HELLO.size
+        if len(incoming.inbuf) < len(_AUTH_GREETING) or incoming.inbuf == _AUTH_GREETING:
+            return len(_AUTH_GREETING)
+        return HELLO.size
+
+    def _on_readable(self, incoming: _Incoming, socks: dict[int, socket.socket]) -> None:
+        while self._pending(incoming):
+            try:
+                chunk = incoming.sock.recv(self._need(incoming) - len(incoming.inbuf))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._reject(incoming, "connection failed", str(exc))
+                return
+            if not chunk:
+                cause = "no answer" if incoming.auth is not None else "closed during handshake"
+                self._reject(incoming, cause, "the peer hung up")
+                return
+            incoming.inbuf += chunk
+            if len(incoming.inbuf) == self._need(incoming):
+                self._step(incoming, socks)
+
+    def _step(self, incoming: _Incoming, socks: dict[int, socket.socket]) -> None:
+        """Act on a complete message: a greeting, a plain HELLO, or an answer and HELLO."""
+        data = bytes(incoming.inbuf)
+        incoming.inbuf.clear()
+        if incoming.auth is not None:
+            proof = incoming.auth.check(data[:ANSWER_BYTES])
+            if proof is None:
+                self._refuse(incoming, REJECTED, "wrong or replayed secret")
+            else:
+                self._welcome(incoming, data[ANSWER_BYTES:], proof, socks)
+            return
+        verdict, reply, incoming.auth = answer_greeting(
+            _GREETINGS, data == _AUTH_GREETING, self.secret
+        )
+        if verdict == ADMIT:  # no secret on either side: ``data`` is the HELLO
+            self._welcome(incoming, data, b"", socks)
+        elif verdict == CHALLENGE:
+            self._send(incoming, reply)
+        else:
+            self._refuse(incoming, reply, verdict)
+
+    def _welcome(
+        self, incoming: _Incoming, hello: bytes, proof: bytes, socks: dict[int, socket.socket]
+    ) -> None:
+        """Keep the connection if its HELLO names a rank we wait for; answer with ours."""
+        try:
+            peer = _check_hello(hello, self.world_size, self.token)
+        except ConnectionError as exc:
+            self._reject(incoming, "protocol error", str(exc))
+            return
+        if peer not in self.expected:
+            self._reject(incoming, "unexpected rank", f"rank {peer} is not awaited here")
+            return
+        if not self._send(incoming, proof + _hello(self.rank, self.world_size, self.token)):
+            return
+        assert self.listener is not None
+        self.listener.finished(incoming)
+        self.selector.unregister(incoming.sock)
+        incoming.sock.setblocking(True)
+        _tune(incoming.sock)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
+        self.expected.discard(peer)
+        socks[peer] = incoming.sock
+
+    def _send(self, incoming: _Incoming, data: bytes) -> bool:
+        """Send a handshake message whole (it fits any socket buffer); False if it failed."""
+        try:
+            sent = incoming.sock.send(data)
+        except OSError as exc:
+            self._reject(incoming, "connection failed", str(exc))
+            return False
+        if sent != len(data):
+            self._reject(incoming, "connection failed", "the peer does not read")
+            return False
+        return True
+
+    def _refuse(self, incoming: _Incoming, reply: bytes, cause: str) -> None:
+        """Tell the peer why (it can tell its user which side lacks the secret), then drop it."""
+        try:
+            incoming.sock.send(reply)
+        except OSError:
+            pass  # it is being dropped anyway
+        self._reject(incoming, cause, refusal_detail(_GREETINGS, cause))
+
+    def _reject(self, incoming: _Incoming, cause: str, detail: str) -> None:
+        self.rejections.reject(cause, incoming.peer, detail)
+        self._close(incoming)
+
+    def _close(self, incoming: _Incoming) -> None:
+        if self._pending(incoming):
+            assert self.listener is not None
+            self.listener.finished(incoming)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(incoming.sock)
+        incoming.sock.close()

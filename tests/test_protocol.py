@@ -346,3 +346,14 @@ def test_the_sans_io_packages_import_no_socket_thread_or_clock(package: str) -> 
                 assert top not in ("socket", "threading", "time", "selectors", "asyncio"), (
                     f"{path.name} imports {name}"
                 )
+
+
+def test_the_frame_checks_know_exactly_the_codes_the_algorithms_define() -> None:
+    """transport/ may not import algorithms/, so frame.py restates the code ranges it checks:
+    this keeps the two in step (a new kind or dtype that frames refuse fails here)."""
+    from asyncreduce.algorithms import DTYPES, KINDS, REDUCTION_CODES
+    from asyncreduce.transport import frame
+
+    assert set(frame._KIND_CODES) == set(KINDS.values())
+    assert set(frame._DTYPE_CODES) == {d.code for d in DTYPES.values()}
+    assert set(frame._REDUCE_CODES) == {0, *REDUCTION_CODES.values()}

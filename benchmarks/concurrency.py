@@ -46,7 +46,7 @@ import argparse
 import importlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,7 @@ def summary(run: harness.Run) -> dict[str, Any]:
     return out
 
 
-def _range(values: list[float], fmt: Any) -> str:
+def _range(values: list[float], fmt: Callable[[float], str]) -> str:
     return f"{fmt(min(values))}-{fmt(max(values))}"
 
 

@@ -24,10 +24,16 @@ float32 buffers of ``elements`` each and times every variant of that library:
   a note when the library does not grant it).
 
 Every run: fill buffer i with ``rank + 1 + i`` (untimed), barrier, run the variant; the wall
-time is the slowest rank's. One warm-up run, then ``repeats`` timed ones, median reported. After
-every run the buffers are checked against the expected sums (a sample of elements), so a
-variant that paired the wrong tensors across ranks is caught, not timed. "bus GB/s" is
-``tensors * bytes * 2 (N-1) / N / time``.
+time is the slowest rank's. First ``warmup`` untimed runs of every variant, then ``rounds``
+rounds: each runs every variant of the library once, in an order shuffled per round from a
+fixed seed (the same on every rank), so a variant and its sequential run meet the same state
+of the machine in every round. The table gives each variant's median time over the rounds and
+its spread (min-max), and its speed-up computed per round: that round's sequential time / the
+variant's time in that round, median and min-max over the rounds. After every run the buffers
+are checked against the expected sums (a sample of elements), so a variant that paired the
+wrong tensors across ranks is caught (``WRONG``), not timed. "bus GB/s" is
+``tensors * bytes * 2 (N-1) / N / time``. The JSON keeps every round's time of every variant
+(``rounds_s``, in round order) and its place in each round (``positions``).
 
 One rank (the variants, the buffers and their check) is ``concurrency_rank.py``.
 
@@ -40,7 +46,7 @@ import argparse
 import importlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,8 +62,8 @@ __all__ = ["main", "VARIANTS"]
 DEFAULT_TENSORS = 10
 DEFAULT_ELEMENTS = 8 << 20  # 8M float32 = 32 MiB
 QUICK_ELEMENTS = 1 << 20
-DEFAULT_REPEATS = 3
-QUICK_REPEATS = 2
+DEFAULT_ROUNDS = 5
+QUICK_ROUNDS = 3
 
 
 def _count(text: str) -> int:
@@ -74,9 +80,21 @@ def _parser() -> argparse.ArgumentParser:
         "Wall time of ten concurrent float32 allreduces (threads, outstanding requests) vs ten "
         "sequential ones: asyncreduce, Gloo (torch.distributed), Open MPI (mpi4py).",
         harness.LIBS,
-        DEFAULT_REPEATS,
-        f"{QUICK_ELEMENTS >> 20}M elements per tensor, {QUICK_REPEATS} repeats",
+        DEFAULT_ROUNDS,
+        f"{QUICK_ELEMENTS >> 20}M elements per tensor, {QUICK_ROUNDS} rounds",
     )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="timed rounds after the warm-up; each runs every variant once, in an order "
+        "shuffled per round (fixed seed); the table gives medians and min-max over the "
+        f"rounds (default {DEFAULT_ROUNDS})",
+    )
+    for action in parser._actions:  # the harness's name for it, kept as an alias
+        if "--repeats" in action.option_strings:
+            action.help = "the same as --rounds"
     parser.add_argument(
         "--tensors",
         type=positive_int,
@@ -90,7 +108,10 @@ def _parser() -> argparse.ArgumentParser:
         help="float32 elements per tensor, K/M suffixes (default 8M = 32 MiB)",
     )
     parser.add_argument(
-        "--warmup", type=positive_int, default=1, help="untimed runs first (default 1)"
+        "--warmup",
+        type=positive_int,
+        default=1,
+        help="untimed runs of every variant before the rounds (default 1)",
     )
     return parser
 
@@ -102,7 +123,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         libs=args.libs,
         tensors=args.tensors,
         elements=args.elements or (QUICK_ELEMENTS if quick else DEFAULT_ELEMENTS),
-        repeats=args.repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS),
+        rounds=args.rounds or args.repeats or (QUICK_ROUNDS if quick else DEFAULT_ROUNDS),
         warmup=args.warmup,
         quick=quick,
     )
@@ -117,15 +138,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _spec(s: Settings, timeout: float | None, lib: str, nprocs: int) -> harness.SetSpec:
-    runs = s.warmup + s.repeats
     slow_bytes_per_s = 30e6  # far below what a busy 2-core machine does
-    step = 60.0 + runs * s.tensors * s.elements * 4 * nprocs / slow_bytes_per_s
     variants = sum(1 for key in VARIANTS if key[0] == lib)
-    limit = timeout or harness.STARTUP_S + variants * step
+    one_round = variants * s.tensors * s.elements * 4 * nprocs / slow_bytes_per_s
+    step = 60.0 + max(1, s.warmup) * one_round  # the warm-up or one round: between two reports
+    limit = timeout or harness.STARTUP_S + (1 + s.rounds) * step
     return harness.SetSpec(Path(__file__), lib, nprocs, asdict(s), limit, step)
 
 
 # ---- the parent: report ---------------------------------------------------------------------
+
+OLD_FORMAT = (
+    "concurrency bench: this JSON is of the old format (each variant's repeats back to back, "
+    "'repeats_s', no rounds), from before the variants were interleaved in rounds; its "
+    "speed-ups cannot be computed per round: run the benchmark again"
+)
+
+
+def _check_format(run: harness.Run) -> None:
+    """Refuse (exit 2, saying why) a document of the old, back-to-back format."""
+    if "rounds" not in run.settings or any("rounds_s" not in r for r in run.results):
+        print(OLD_FORMAT, file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _busbw(s: dict[str, Any], nprocs: int, seconds: float) -> float:
@@ -133,20 +167,23 @@ def _busbw(s: dict[str, Any], nprocs: int, seconds: float) -> float:
     return nbytes * 2 * (nprocs - 1) / nprocs / seconds / 1e9
 
 
-def _best(
-    run: harness.Run,
-    lib: str,
-    nprocs: int,
-    concurrent: bool | None = None,
-    family: str | None = None,
-) -> Any:
-    rows = [
-        r
-        for r in run.rows(lib=lib, nprocs=nprocs)
-        if (concurrent is None or (not r["variant"].endswith("sequential")) == concurrent)
-        and (family is None or variant_family(r["variant"]) == family)
-    ]
-    return min(rows, key=lambda r: r["seconds"]) if rows else None
+def _sequential(run: harness.Run, lib: str, nprocs: int, variant: str) -> Any:
+    """The row of the sequential variant of ``variant``'s family, or None."""
+    rows = run.rows(lib=lib, nprocs=nprocs, variant=variant_family(variant) + "sequential")
+    return rows[0] if rows else None
+
+
+def _speedups(run: harness.Run, row: dict[str, Any]) -> list[float] | None:
+    """Per round: that round's sequential time / this variant's time in it (None: no
+    sequential run to compare with)."""
+    seq = _sequential(run, row["lib"], row["nprocs"], row["variant"])
+    if seq is None:
+        return None
+    return [a / b for a, b in zip(seq["rounds_s"], row["rounds_s"], strict=True)]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": harness.median(values), "min": min(values), "max": max(values)}
 
 
 def _families(lib: str) -> list[tuple[str, str, str]]:
@@ -155,26 +192,42 @@ def _families(lib: str) -> list[tuple[str, str, str]]:
     return [plain, (f"{lib} window", lib, WINDOW)] if lib == "asyncreduce" else [plain]
 
 
+def _family_summary(run: harness.Run, lib: str, nprocs: int, family: str) -> Any:
+    """A family's fastest variant (median time), its sequential time, and every concurrent
+    variant's speed-up over the rounds; the best and the worst of those by their median."""
+    rows = [r for r in run.rows(lib=lib, nprocs=nprocs) if variant_family(r["variant"]) == family]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["seconds"])
+    seq = _sequential(run, lib, nprocs, family + "sequential")
+    vs_seq = {
+        r["variant"]: _stats(ups)
+        for r in rows
+        if not r["variant"].endswith("sequential") and (ups := _speedups(run, r))
+    }
+    ranked = sorted(vs_seq, key=lambda v: vs_seq[v]["median"])
+    return {
+        "best_variant": best["variant"],
+        "best_s": best["seconds"],
+        "sequential_s": seq["seconds"] if seq else None,
+        "vs_sequential": vs_seq,  # variant -> median, min, max of the per-round speed-ups
+        "best_concurrent_variant": ranked[-1] if ranked else None,
+        "concurrent_vs_sequential": vs_seq[ranked[-1]]["median"] if ranked else None,
+        "worst_concurrent_variant": ranked[0] if ranked else None,
+        "worst_concurrent_vs_sequential": vs_seq[ranked[0]]["median"] if ranked else None,
+    }
+
+
 def summary(run: harness.Run) -> dict[str, Any]:
-    """Per N: each library's best and sequential time, and the two ratios the report states."""
+    """Per N: each family's best and sequential time and its concurrent variants' speed-ups
+    (medians over the rounds), and our best time against Gloo's."""
     out: dict[str, Any] = {}
     for nprocs in run.settings["nprocs"]:
         entry: dict[str, Any] = {}
         for key, lib, family in (f for name in run.settings["libs"] for f in _families(name)):
-            seq = run.rows(lib=lib, nprocs=nprocs, variant=family + "sequential")
-            best = _best(run, lib, nprocs, family=family)
-            conc = _best(run, lib, nprocs, True, family)
-            if not best:
-                continue
-            entry[key] = {
-                "best_variant": best["variant"],
-                "best_s": best["seconds"],
-                "sequential_s": seq[0]["seconds"] if seq else None,
-                "best_concurrent_variant": conc["variant"] if conc else None,
-                "concurrent_vs_sequential": (
-                    seq[0]["seconds"] / conc["seconds"] if seq and conc else None
-                ),
-            }
+            found = _family_summary(run, lib, nprocs, family)
+            if found:
+                entry[key] = found
         ours = [entry[k] for k in ("asyncreduce", "asyncreduce window") if k in entry]
         if ours and "gloo" in entry:
             entry["ours_best"] = min(ours, key=lambda e: e["best_s"])
@@ -184,29 +237,48 @@ def summary(run: harness.Run) -> dict[str, Any]:
     return out
 
 
+def _range(values: list[float], fmt: Callable[[float], str]) -> str:
+    return f"{fmt(min(values))}-{fmt(max(values))}"
+
+
+def _speedup(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _row(run: harness.Run, r: dict[str, Any], label: str) -> list[str]:
+    ups = _speedups(run, r)
+    ratio, spread = "-", "-"
+    if ups and not r["variant"].endswith("sequential"):
+        ratio, spread = _speedup(harness.median(ups)), _range(ups, lambda v: f"{v:.2f}")
+    elif ups:
+        ratio = _speedup(1.0)
+    return [
+        r["lib"], label, harness.fmt_ms(r["seconds"]), _range(r["rounds_s"], harness.fmt_ms),
+        f"{_busbw(run.settings, r['nprocs'], r['seconds']):.2f}", ratio, spread,
+        "ok" if r["verified"] else "WRONG",
+    ]  # fmt: skip
+
+
 def _table(run: harness.Run, nprocs: int) -> str:
     s = run.settings
-    headers = ["library", "variant", "ms", "min-max ms", "bus GB/s", "vs seq", "check"]
+    headers = [
+        "library", "variant", "median ms", "min-max ms", "bus GB/s", "vs seq", "min-max",
+        "check",
+    ]  # fmt: skip
     rows = []
     for (lib, variant), label in VARIANTS.items():
         found = run.rows(lib=lib, nprocs=nprocs, variant=variant)
-        if not found:
-            if lib in s["libs"] and lib not in run.skipped and run.failed(lib, nprocs):
-                rows.append([lib, label, "fail", "-", "-", "-", "-"])
-            continue
-        r = found[0]
-        seq = run.rows(lib=lib, nprocs=nprocs, variant=variant_family(variant) + "sequential")
-        ratio = f"{seq[0]['seconds'] / r['seconds']:.2f}x" if seq else "-"
-        spread = "-".join(harness.fmt_ms(f(r["repeats_s"])) for f in (min, max))
-        rows.append([
-            lib, label, harness.fmt_ms(r["seconds"]), spread,
-            f"{_busbw(s, nprocs, r['seconds']):.2f}", ratio, "ok" if r["verified"] else "WRONG",
-        ])  # fmt: skip
+        if found:
+            rows.append(_row(run, found[0], label))
+        elif lib in s["libs"] and lib not in run.skipped and run.failed(lib, nprocs):
+            rows.append([lib, label, "fail", "-", "-", "-", "-", "-"])
     size = harness.format_size(s["elements"] * 4)
     title = (
         f"N={nprocs}: {s['tensors']} allreduces of {s['elements']} float32 ({size}) each, sum in "
-        f"place; wall time of all of them, median of {s['repeats']} after {s['warmup']} warm-up"
-        "\nvs seq = sequential time / this time (above 1: faster than one after another); "
+        f"place; wall time of all of them over {s['rounds']} rounds after {s['warmup']} warm-up "
+        "run(s) of each variant; each round runs every variant once, in a shuffled order"
+        "\nmedian and min-max over the rounds; vs seq = per round, that round's sequential "
+        "time / this time (above 1: faster than one after another), its median and min-max; "
         "check = every rank held the right sums"
     )
     return "\n".join([title, harness.render_table(headers, rows, left=2), *_verdicts(run, nprocs)])
@@ -217,29 +289,40 @@ def _verdicts(run: harness.Run, nprocs: int) -> list[str]:
     lines = []
     for key, lib, _ in (f for name in harness.LIBS for f in _families(name)):
         e = entry.get(key)
-        if e and e["concurrent_vs_sequential"]:
-            label = VARIANTS[(lib, e["best_concurrent_variant"])]
-            lines.append(
-                f"{key}: best concurrent ({label}) vs sequential: "
-                f"speed-up {e['concurrent_vs_sequential']:.2f}x"
+        if not e or not e["vs_sequential"]:
+            continue
+        words = []
+        for which in ("best", "worst"):
+            variant = e[f"{which}_concurrent_variant"]
+            st = e["vs_sequential"][variant]
+            words.append(
+                f"{which} {VARIANTS[(lib, variant)]} {_speedup(st['median'])} "
+                f"({st['min']:.2f}-{st['max']:.2f})"
             )
+        floor = "yes" if e["worst_concurrent_vs_sequential"] >= 1.0 else "no"
+        lines.append(
+            f"{key}: concurrent vs sequential, median (min-max) of the rounds: "
+            f"{'; '.join(words)}; every median at least 1.00x: {floor}"
+        )
     if "ours_best_over_gloo_best" in entry:
         mine, gloo = entry["ours_best"], entry["gloo"]
         lines.append(
             f"our best / Gloo best: {entry['ours_best_over_gloo_best']:.2f}x the time "
             f"({VARIANTS[('asyncreduce', mine['best_variant'])]}, "
             f"{harness.fmt_ms(mine['best_s'])} ms vs {VARIANTS[('gloo', gloo['best_variant'])]}, "
-            f"{harness.fmt_ms(gloo['best_s'])} ms)"
+            f"{harness.fmt_ms(gloo['best_s'])} ms; medians)"
         )
     return lines
 
 
 def report(run: harness.Run, machine: dict[str, Any]) -> str:
+    _check_format(run)
     return harness.report_per_n(run, machine, _table)
 
 
 def _bars(ax: Any, run: harness.Run, nprocs: int) -> None:
-    """Bars grouped by library (a gap between groups), the sequential one paler."""
+    """Median bars with min-max error bars, grouped by library (a gap between groups), the
+    sequential one paler."""
     colors = {"asyncreduce": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
     Patch: Any = importlib.import_module("matplotlib.patches").Patch
     x, ticks, labels, used = 0.0, list[float](), list[str](), set[str]()
@@ -251,8 +334,10 @@ def _bars(ax: Any, run: harness.Run, nprocs: int) -> None:
         if variant.endswith("sequential") and ticks:
             x += 0.8
         alpha = 0.5 if variant.endswith("sequential") else 0.95
-        bar = ax.bar(x, found[0]["seconds"] * 1e3, color=colors[lib], alpha=alpha)
-        ax.bar_label(bar, fmt="%.0f", fontsize=7)
+        median, rounds = found[0]["seconds"] * 1e3, [t * 1e3 for t in found[0]["rounds_s"]]
+        errors = [[median - min(rounds)], [max(rounds) - median]]
+        bar = ax.bar(x, median, color=colors[lib], alpha=alpha, yerr=errors, capsize=3)
+        ax.bar_label(bar, fmt="%.0f", fontsize=7, padding=2)
         ticks.append(x)
         labels.append(label)
         x += 1
@@ -263,7 +348,9 @@ def _bars(ax: Any, run: harness.Run, nprocs: int) -> None:
 
 
 def plot(path: Path, run: harness.Run) -> None:
-    """One panel per N: wall time of every variant, grouped by library."""
+    """One panel per N: median wall time of every variant over the rounds (error bars:
+    min-max), grouped by library."""
+    _check_format(run)
     plt = harness.pyplot()
     s = run.settings
     ns = s["nprocs"]
@@ -271,8 +358,8 @@ def plot(path: Path, run: harness.Run) -> None:
     for ax, nprocs in zip(axes[0], ns, strict=True):
         _bars(ax, run, nprocs)
         size = harness.format_size(s["elements"] * 4)
-        ax.set_title(f"{s['tensors']} allreduces of {size}, N={nprocs}")
-        ax.set_ylabel("wall time of all of them (ms), lower is better")
+        ax.set_title(f"{s['tensors']} allreduces of {size}, N={nprocs}, {s['rounds']} rounds")
+        ax.set_ylabel("wall time of all (ms): median, bars min-max")
         ax.grid(True, axis="y", alpha=0.3)
     harness.save_figure(plt, fig, path)
 

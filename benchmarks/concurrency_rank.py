@@ -1,20 +1,25 @@
-"""One rank of the concurrency benchmark: every variant of its library, one after another.
+"""One rank of the concurrency benchmark: every variant of its library, in interleaved rounds.
 
 ``VARIANTS`` names what each library runs (and labels it in the tables; its order is theirs):
 ten allreduces one after another, from ten threads, or posted from one thread and waited for
 together, and for asyncreduce each of those again on buffers from ``comm.shared_empty`` (the
-``window-`` family). ``worker`` is the body ``harness.worker_main`` runs: per variant it
-refills the buffers (untimed), times all the allreduces as ``harness.timed`` does, and checks
-every sum afterwards (sampled, untimed). ``Settings`` are what the parent resolved and every
-rank is told (as JSON).
+``window-`` family). ``worker`` is the body ``harness.worker_main`` runs: first ``warmup``
+untimed runs of every variant (in the table's order), then ``rounds`` rounds, each of which runs
+every variant once, in an order shuffled per round from a fixed seed (``round_order``: the
+same on every rank, so the ranks' collectives pair up). Each run refills the buffers
+(untimed), times all the allreduces as ``harness.timed`` does, and checks every sum afterwards
+(sampled, untimed). A variant's result keeps its time in every round, in round order, and
+where in each round it ran, so the parent can compare it with the sequential run of the same
+round. ``Settings`` are what the parent resolved and every rank is told (as JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +28,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
 import harness  # noqa: E402
 
-__all__ = ["VARIANTS", "WINDOW", "Settings", "variant_family", "worker"]
+__all__ = [
+    "ROUND_SEED",
+    "VARIANTS",
+    "WINDOW",
+    "Settings",
+    "round_order",
+    "variant_family",
+    "worker",
+]
 
 WINDOW = "window-"  # the prefix of the variants on shared windows
 _SAMPLE = 4099  # check every 4099th element (a prime: touches every page of the buffer)
+ROUND_SEED = 15  # round r shuffles the variants with random.Random(ROUND_SEED + r)
 
 #: (library, variant) -> the label in tables and plots; the order is the table's.
 VARIANTS: dict[tuple[str, str], str] = {
@@ -53,13 +67,18 @@ class Settings:
     libs: list[str]
     tensors: int
     elements: int
-    repeats: int
+    rounds: int
     warmup: int
     quick: bool
 
 
 def variant_family(variant: str) -> str:
     return WINDOW if variant.startswith(WINDOW) else ""
+
+
+def round_order(variants: Sequence[str], index: int) -> list[str]:
+    """The order in which round ``index`` runs ``variants``: shuffled, the same on every rank."""
+    return random.Random(ROUND_SEED + index).sample(list(variants), len(variants))
 
 
 class _Turns:
@@ -213,6 +232,41 @@ def _mpi_steps(rank: Any, b: _Buffers, pool: ThreadPoolExecutor) -> dict[str, An
 _STEPS = {"asyncreduce": _asyncreduce_steps, "gloo": _gloo_steps, "mpi": _mpi_steps}
 
 
+def _runs(
+    rank: harness.Rank, step: Callable[[], object], buffers: _Buffers, repeats: int, warmup: int
+) -> tuple[list[float], int]:
+    """``harness.timed`` on the buffers (fill, barrier, time, check): the times of the
+    ``repeats`` runs after ``warmup`` untimed ones, and how many sums were wrong on this rank."""
+    buffers.bad = 0
+    times = harness.timed(rank, step, repeats, warmup, buffers.fill, buffers.check)
+    return times, buffers.bad
+
+
+class _Rounds:
+    """Every variant's time per round, where in the round it ran, and its wrong sums."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.times: dict[str, list[float]] = {v: [] for v in names}
+        self.positions: dict[str, list[int]] = {v: [] for v in names}
+        self.bad = dict.fromkeys(names, 0)
+
+    def warm_up(self, rank: harness.Rank, steps: dict[str, Any], b: _Buffers, runs: int) -> None:
+        """``runs`` untimed runs of each variant, in the table's order (the windows are made
+        here, on every rank in the same order)."""
+        for variant in self.names:
+            b.use(variant)
+            self.bad[variant] += _runs(rank, steps[variant], b, 0, runs)[1]
+
+    def one_round(self, rank: harness.Rank, steps: dict[str, Any], b: _Buffers, index: int) -> None:
+        for position, variant in enumerate(round_order(self.names, index)):
+            b.use(variant)
+            times, wrong = _runs(rank, steps[variant], b, 1, 0)
+            self.times[variant] += times
+            self.positions[variant].append(position)
+            self.bad[variant] += wrong
+
+
 def worker(rank: harness.Rank, settings: dict[str, Any], tell: harness.Tell) -> None:
     s = Settings(**settings)
     buffers = _Buffers(rank, s)
@@ -220,15 +274,14 @@ def worker(rank: harness.Rank, settings: dict[str, Any], tell: harness.Tell) -> 
         steps = _STEPS[rank.lib](rank, buffers, pool)
         if rank.lib == "mpi" and "threads" not in steps:
             tell("note", text="MPI_THREAD_MULTIPLE not granted: the threads variant is skipped")
-        for (lib, variant), label in VARIANTS.items():
-            if lib != rank.lib or variant not in steps:
-                continue
-            tell("start", step=variant)
-            buffers.use(variant)
-            buffers.bad = 0
-            times = harness.timed(
-                rank, steps[variant], s.repeats, s.warmup, buffers.fill, buffers.check
-            )
-            bad = rank.max(float(buffers.bad))
-            tell("result", variant=variant, label=label, seconds=harness.median(times),
-                 repeats_s=times, verified=bad == 0)  # fmt: skip
+        rounds = _Rounds([v for (lib, v) in VARIANTS if lib == rank.lib and v in steps])
+        tell("start", step=f"warm-up, {s.warmup} of each variant")
+        rounds.warm_up(rank, steps, buffers, s.warmup)
+        for index in range(s.rounds):
+            tell("start", step=f"round {index + 1} of {s.rounds}")
+            rounds.one_round(rank, steps, buffers, index)
+    for variant in rounds.names:  # the table's order, on every rank: rank.max is collective
+        verified = rank.max(float(rounds.bad[variant])) == 0
+        tell("result", variant=variant, label=VARIANTS[(rank.lib, variant)],
+             seconds=harness.median(rounds.times[variant]), rounds_s=rounds.times[variant],
+             positions=rounds.positions[variant], verified=verified)  # fmt: skip

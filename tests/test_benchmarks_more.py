@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -71,23 +72,85 @@ def _positive(*values: Any) -> bool:
 
 
 def test_concurrency_benchmark_writes_json(tmp_path: Path) -> None:
-    document = _run(
-        "concurrency", tmp_path, "--tensors", "3", "--elements", "64K", "--repeats", "1"
+    rounds = 3
+    document, report = _run_with_output(
+        "concurrency", tmp_path, "--tensors", "3", "--elements", "64K", "--rounds", str(rounds)
     )
     assert document["settings"]["tensors"] == 3 and document["settings"]["elements"] == 65536
+    assert document["settings"]["rounds"] == rounds
     rows = {r["variant"]: r for r in document["results"]}
     plain = {"sequential", "threads", "requests"}
     assert set(rows) == plain | {f"window-{v}" for v in plain}
     for r in rows.values():
         assert r["lib"] == "asyncreduce" and r["nprocs"] == 2
         assert r["verified"] is True, r  # every rank held the right sums
-        assert _positive(r["seconds"], *r["repeats_s"]) and len(r["repeats_s"]) == 1
+        assert _positive(r["seconds"], *r["rounds_s"]) and len(r["rounds_s"]) == rounds
+        assert r["seconds"] == pytest.approx(sorted(r["rounds_s"])[rounds // 2])  # the median
+    for index in range(rounds):  # every round ran every variant once, in the shared order
+        order = sorted(rows, key=lambda v: rows[v]["positions"][index])
+        assert [rows[v]["positions"][index] for v in order] == list(range(len(rows)))
+        assert order == _concurrency().round_order(list(rows), index)
     summary = document["summary"]["2"]
     for family in ("asyncreduce", "asyncreduce window"):  # each against its own sequential
         mine = summary[family]
         assert mine["best_variant"] in rows and _positive(mine["best_s"], mine["sequential_s"])
         assert mine["best_variant"].startswith("window-") == family.endswith("window")
-        assert _positive(mine["concurrent_vs_sequential"])
+        assert _positive(mine["concurrent_vs_sequential"], mine["worst_concurrent_vs_sequential"])
+        prefix = "window-" if family.endswith("window") else ""
+        seq = rows[prefix + "sequential"]["rounds_s"]
+        for variant in ("threads", "requests"):  # speed-up per round, against the same round
+            ups = [a / b for a, b in zip(seq, rows[prefix + variant]["rounds_s"], strict=True)]
+            stats = mine["vs_sequential"][prefix + variant]
+            assert stats["median"] == pytest.approx(sorted(ups)[rounds // 2])
+            assert (stats["min"], stats["max"]) == (
+                pytest.approx(min(ups)),
+                pytest.approx(max(ups)),
+            )
+    assert "median ms" in report and "min-max ms" in report and "vs seq" in report
+    assert f"over {rounds} rounds" in report and "every median at least 1.00x" in report
+    line = next(x for x in report.splitlines() if "10 threads" not in x and "iallreduce x10 +" in x)
+    assert re.search(r"\d-\d.*\dx +\d\.\d\d-\d\.\d\d +ok$", line), line  # both spreads
+    _concurrency_replays(tmp_path / "concurrency.json", report)
+
+
+def _concurrency() -> ModuleType:
+    return _load("asyncreduce_bench_concurrency_rank", BENCHMARKS / "concurrency_rank.py")
+
+
+def _concurrency_replays(saved: Path, report: str) -> None:
+    """``--from-json`` prints the same tables; a document of the old format is refused."""
+    replay = _bench("concurrency", "--from-json", str(saved))
+    assert replay.returncode == 0, replay.stderr
+    assert report.split("\n(total")[0] in replay.stdout
+    old = json.loads(saved.read_text())
+    old["settings"]["repeats"] = old["settings"].pop("rounds")
+    for r in old["results"]:
+        r["repeats_s"] = r.pop("rounds_s")
+    (saved.parent / "old.json").write_text(json.dumps(old))
+    refused = _bench("concurrency", "--from-json", str(saved.parent / "old.json"))
+    assert refused.returncode == 2 and "old format" in refused.stderr, refused
+
+
+def _bench(name: str, *options: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "asyncreduce", "bench", name, *options]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_concurrency_rounds_option() -> None:
+    """``--rounds`` (``--repeats`` is its alias), 5 by default and 3 with ``--quick``; every
+    round's order is a permutation that each rank computes alike."""
+    bench = _load("asyncreduce_bench_concurrency", BENCHMARKS / "concurrency.py")
+    parser = bench._parser()
+    rounds = [
+        bench._settings(parser.parse_args(argv)).rounds
+        for argv in ([], ["--quick"], ["--rounds", "7"], ["--repeats", "4"])
+    ]
+    assert rounds == [5, 3, 7, 4]
+    names = ["sequential", "threads", "requests", "window-sequential"]
+    orders = [_concurrency().round_order(names, index) for index in range(5)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert orders == [_concurrency().round_order(names, index) for index in range(5)]
+    assert len({tuple(order) for order in orders}) > 1  # shuffled, not one fixed order
 
 
 def _expected(row: dict[str, Any]) -> float:

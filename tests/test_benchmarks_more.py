@@ -137,7 +137,7 @@ def _bench(name: str, *options: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_concurrency_rounds_option() -> None:
-    """``--rounds`` (``--repeats`` is its alias), 5 by default and 3 with ``--quick``; every
+    """``--rounds`` (``--repeats`` is its alias), 9 by default and 3 with ``--quick``; every
     round's order is a permutation that each rank computes alike."""
     bench = _load("asyncreduce_bench_concurrency", BENCHMARKS / "concurrency.py")
     parser = bench._parser()
@@ -145,7 +145,7 @@ def test_concurrency_rounds_option() -> None:
         bench._settings(parser.parse_args(argv)).rounds
         for argv in ([], ["--quick"], ["--rounds", "7"], ["--repeats", "4"])
     ]
-    assert rounds == [5, 3, 7, 4]
+    assert rounds == [9, 3, 7, 4]
     names = ["sequential", "threads", "requests", "window-sequential"]
     orders = [_concurrency().round_order(names, index) for index in range(5)]
     assert all(sorted(order) == sorted(names) for order in orders)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
 import socket
 import struct
@@ -50,6 +51,7 @@ log = logging.getLogger("asyncreduce.transport")
 HELLO = struct.Struct("<4sBII16s")
 _HELLO_MAGIC = b"ARDH"
 _SOCKET_BUFFER = 4 << 20
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # linux/tcp.h
 
 # The handshake, every message fixed-size and every wait under a deadline:
 #
@@ -77,6 +79,9 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    lowat = int(os.environ.get("ASYNCREDUCE_NOTSENT_KIB", "0")) << 10
+    if lowat:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
 
 
 def _hello(rank: int, world_size: int, token: bytes) -> bytes:

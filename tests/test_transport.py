@@ -333,3 +333,30 @@ def test_arena_never_deadlocks_on_the_skipped_tail() -> None:
         in_flight.append(n)
     writer.close()
     reader.close()
+
+
+def test_the_kernel_holds_only_a_little_of_a_connections_unsent_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frames leave by priority only while they wait in our queue: the mesh's sockets keep at
+    most NOT_SENT_BYTES unsent in the kernel (TCP_NOTSENT_LOWAT), ASYNCREDUCE_NOTSENT_KIB=0
+    lifts the limit, and a value that is not a number is refused with its name."""
+    import socket
+
+    from asyncreduce.errors import UsageError
+    from asyncreduce.transport import mesh
+
+    def lowat(env: str | None) -> int:
+        if env is None:
+            monkeypatch.delenv("ASYNCREDUCE_NOTSENT_KIB", raising=False)
+        else:
+            monkeypatch.setenv("ASYNCREDUCE_NOTSENT_KIB", env)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            mesh._tune(sock)
+            return sock.getsockopt(socket.IPPROTO_TCP, mesh._TCP_NOTSENT_LOWAT)
+
+    assert lowat(None) == mesh.NOT_SENT_BYTES == 256 << 10
+    assert lowat("64") == 64 << 10
+    assert lowat("0") == 0  # not set: the kernel's default (net.ipv4.tcp_notsent_lowat)
+    with pytest.raises(UsageError, match="ASYNCREDUCE_NOTSENT_KIB='lots'"):
+        lowat("lots")

@@ -78,7 +78,7 @@ class _AsyncReduce(_Backend):
         # read at run time: the thresholds are the library's to change
         if nbytes <= self._algorithms.SMALL_ALLREDUCE_BYTES:
             return "doubling"
-        cross = self._comm._cross is not None  # every rank may read the others' memory
+        cross = self._comm.data_plane.cross_memory  # every rank may read the others' memory
         return "cma" if cross and nbytes >= self._algorithms.CROSS_MEMORY_BYTES else "ring"
 
     def close(self) -> None:

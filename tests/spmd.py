@@ -252,7 +252,7 @@ def window_against_ordinary(comm: ar.Communicator, count: int) -> str:
 
 
 def _cross_memory_on(comm: ar.Communicator) -> bool:
-    return comm._cross is not None
+    return comm.data_plane.cross_memory
 
 
 @functools.cache

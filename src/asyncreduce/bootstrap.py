@@ -420,7 +420,7 @@ def _describe(
     """The one INFO line of a new communicator: who, and which data plane to each peer."""
     planes = [f"rank {p}: shared memory (same host)" for p in shared]
     planes += [f"rank {p}: tcp ({why})" for p, why in sorted(tcp_only.items())]
-    cross = "on" if comm._cross is not None else f"off ({no_cross})"
+    cross = "on" if comm.data_plane.cross_memory else f"off ({no_cross})"
     windows = "on" if one_host else "off (not every rank is on this host)"
     return (
         f"rank {comm.rank} of {comm.world_size} joined (launcher: {launcher}; local rank "

@@ -168,18 +168,13 @@ def _dial(
             if _check_hello(hello, world_size, token) != peer:
                 raise ConnectionError(f"{address} is not rank {peer}")
             return sock
-        except (ConnectionRefusedError, ConnectionResetError) as exc:
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
             sock.close()
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"rank {rank} could not connect to rank {peer} at {address}"
-                ) from exc
+            retry = not isinstance(exc, TimeoutError) and time.monotonic() < deadline
+            if not retry:
+                why = f"rank {rank} could not connect to rank {peer} at {address}"
+                raise TimeoutError(why) from exc
             time.sleep(0.05)
-        except TimeoutError as exc:
-            sock.close()
-            raise TimeoutError(
-                f"rank {rank} could not connect to rank {peer} at {address}"
-            ) from exc
         except BaseException:
             sock.close()
             raise

@@ -23,7 +23,8 @@ from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
 from ..protocol.wire import ON_DEVICE
 from ..request import Request
-from .engine import OrderedEngine, Posted
+from .engine import OrderedEngine
+from .posted import Posted
 
 __all__ = ["OrderedBackend"]
 
@@ -71,7 +72,6 @@ class OrderedBackend(EngineBackend):
     @property
     def data_plane(self) -> DataPlane:
         adapter = self.engine.adapter
-        if adapter is None:  # (cannot be: the engine made it before it started)
-            return DataPlane("")
+        assert adapter is not None  # the engine made it before it started
         control = type(adapter.endpoint).__name__.replace("Endpoint", "").lower()
         return DataPlane(adapter.name, control=control)

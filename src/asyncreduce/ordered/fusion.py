@@ -14,7 +14,6 @@ sum, is divided here).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +43,6 @@ class Call:
 
 def fusion_bytes_from_env() -> int:
     """The limit of this process: ASYNCREDUCE_FUSION_BYTES, or ``FUSION_BYTES``."""
-    text = os.environ.get("ASYNCREDUCE_FUSION_BYTES")
-    if not text:
-        return FUSION_BYTES
-
     return int(env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0))
 
 

@@ -438,7 +438,11 @@ def body_timeout(comm: ar.Communicator) -> str:
 
 
 def test_per_call_timeout_fails_the_operation_on_every_rank() -> None:
-    messages = run_ranks(2, body_timeout)
+    check_timeout(run_ranks(2, body_timeout))
+
+
+def check_timeout(messages: dict[int, str]) -> None:
+    """What body_timeout must see (test_engines checks it over every backend too)."""
     assert "0.5 s" in messages[0] and "rank 1" in messages[0]
     assert "reported by rank 0" in messages[1]
 
@@ -491,7 +495,11 @@ def body_request_api(comm: ar.Communicator) -> dict[str, Any]:
 
 
 def test_request_is_a_future_with_mpi_spellings() -> None:
-    results = run_ranks(2, body_request_api)
+    check_request_api(run_ranks(2, body_request_api))
+
+
+def check_request_api(results: dict[int, dict[str, Any]]) -> None:
+    """What body_request_api must see (test_engines checks it over every backend too)."""
     n = 2
     first = results[0]
     assert first["test_before"] is False and first["cancel"] is False, first
@@ -539,7 +547,11 @@ def body_usage(comm: ar.Communicator) -> dict[str, Any]:
 
 
 def test_usage_errors_are_clear_and_leave_the_communicator_usable() -> None:
-    results = run_ranks(2, body_usage)
+    check_usage(run_ranks(2, body_usage))
+
+
+def check_usage(results: dict[int, dict[str, Any]]) -> None:
+    """What body_usage must see (test_engines checks it over every backend too)."""
     for rank, out in results.items():
         for (_, words), outcome in zip(USAGE_ERRORS, out["outcomes"], strict=True):
             assert outcome.startswith("UsageError: ") and re.search(words, outcome), (
@@ -580,7 +592,11 @@ def body_types(comm: ar.Communicator) -> dict[str, Any]:
 
 def test_numpy_torch_and_buffers_keep_their_type() -> None:
     pytest.importorskip("torch")
-    results = run_ranks(2, body_types)
+    check_types(run_ranks(2, body_types))
+
+
+def check_types(results: dict[int, dict[str, Any]]) -> None:
+    """What body_types must see (test_engines checks it over every backend too)."""
     n = 2
     for rank, out in results.items():
         assert out["tensor"] == (True, [[0.0, n, 2.0 * n], [3.0 * n, 4.0 * n, 5.0 * n]]), out

@@ -77,7 +77,6 @@ class Wire:
         self.lost: set[tuple[int, int]] = set()  # (src, dst) cut: nothing more arrives
         self.drop_beats: set[int] = set()  # ranks whose heartbeats are lost
         self.duplicate_control = False
-        self.sent_data = [0] * n
         self.left_before_hold: dict[tuple[int, int], int] = {}  # (src, dst): DATA bytes
         self._told_to_hold: set[tuple[int, int]] = set()  # (src, dst): src got dst's Hold
         self._order = 0
@@ -220,13 +219,9 @@ class Wire:
         fixed = frame.head[: HEADER.size]
         name_len, header = parse_header(fixed)  # every frame passes the receiver's checks
         header.name = frame.head[HEADER.size : HEADER.size + name_len]
-        if header.type == DATA:
-            self.sent_data[frame.src] += 1
-            if (frame.src, frame.dst) not in self._told_to_hold:
-                link_key = (frame.src, frame.dst)
-                self.left_before_hold[link_key] = self.left_before_hold.get(link_key, 0) + len(
-                    frame.payload
-                )
+        pair = (frame.src, frame.dst)
+        if header.type == DATA and pair not in self._told_to_hold:
+            self.left_before_hold[pair] = self.left_before_hold.get(pair, 0) + len(frame.payload)
         if header.type == HEARTBEAT and frame.src in self.drop_beats:
             return
         link = self.links.setdefault((frame.src, frame.dst), deque())

@@ -352,7 +352,7 @@ def test_the_kernel_holds_only_a_little_of_a_connections_unsent_frames(
         else:
             monkeypatch.setenv("ASYNCREDUCE_NOTSENT_KIB", env)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            mesh._tune(sock)
+            mesh._tune(sock, mesh.not_sent_bytes())
             return sock.getsockopt(socket.IPPROTO_TCP, mesh._TCP_NOTSENT_LOWAT)
 
     assert lowat(None) == mesh.NOT_SENT_BYTES == 256 << 10

@@ -209,7 +209,7 @@ class Wire:
             self._land(key)
         else:
             frame = self.unsent.pop(self.rng.randrange(len(self.unsent)))
-            self.ranks[frame.src].session.sent(frame.token, self.ranks[frame.src].now)
+            self.ranks[frame.src].session.sent(frame.token)
             self.apply(frame.src)
         return True
 

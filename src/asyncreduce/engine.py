@@ -28,12 +28,12 @@ from .errors import BrokenError, ClosedError
 from .flight import FlightRecorder
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
 from .protocol.operation import Operation, Settings
-from .protocol.session import Session, broken_by
-from .protocol.wire import ON_DEVICE, describe
+from .protocol.session import Session
+from .protocol.wire import describe
 from .transport.base import FrameSink, Transport
 from .transport.frame import MAX_ERROR_BYTES, Header
 
-__all__ = ["Engine", "Operation", "Settings", "describe", "ON_DEVICE", "broken_by"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("asyncreduce.engine")
 
@@ -282,7 +282,7 @@ class Engine(FrameSink):
 
     def on_sent(self, token: object) -> None:
         if isinstance(token, Operation):
-            self.session.sent(token, time.monotonic())
+            self.session.sent(token)
             if self.session.commands:
                 self._apply()
 

@@ -20,15 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BrokenError, MismatchError
+from ..errors import BrokenError
 from ..keys import Key
+from ..protocol.wire import ERROR_CLASSES, ERROR_CODES
 from .posted import Posted
 
 __all__ = ["break_error", "break_message", "read_break", "run_on_scratch"]
 
 log = logging.getLogger("asyncreduce.ordered")
-_ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
-_ERROR_CODES = {cls: code for code, cls in _ERROR_CLASSES.items()}
 _BROKE = 3  # the code of a rank that broke, rather than one operation that failed
 _BREAK_HEAD = struct.Struct("<BHQ")  # error class code, key name length, key instance
 _REASON_BYTES = 4096
@@ -37,7 +36,7 @@ _REASON_BYTES = 4096
 def break_message(error: BaseException, about: Key | None) -> bytes:
     """The BREAK body for ``error``, about operation ``about`` (None: no one operation)."""
     name, instance = about if about is not None else (b"", 0)
-    code = _ERROR_CODES.get(type(error), _BROKE)  # type: ignore[arg-type]
+    code = ERROR_CODES.get(type(error), _BROKE)  # type: ignore[arg-type]
     return _BREAK_HEAD.pack(code, len(name), instance) + name + str(error).encode()[:_REASON_BYTES]
 
 
@@ -53,7 +52,7 @@ def read_break(peer: int, body: bytes) -> tuple[int, Key, str]:
 
 def break_error(code: int, peer: int, label: str | None, reason: str) -> Exception:
     """The error this rank fails with when ``peer`` broke with ``code`` about ``label``."""
-    cls = _ERROR_CLASSES.get(code, BrokenError)
+    cls = ERROR_CLASSES.get(code, BrokenError)
     return cls(f"{label or 'an operation'} failed on rank {peer}: {reason}"
                if code != _BROKE else f"rank {peer} broke: {reason}")  # fmt: skip
 

@@ -185,10 +185,10 @@ class Session:
             self.matching.spares.give(payload)
             self._maybe_complete(op)
 
-    def sent(self, token: object, now: float) -> None:
-        """The frame sent with ``token`` has left this process."""
+    def sent(self, token: object) -> None:
+        """The frame sent with ``token`` has left this process (no clock read per frame: the
+        spin window, if this ends a small operation, counts from the event that sent it)."""
         if isinstance(token, Operation):
-            self._now = now
             token.unsent -= 1
             self._maybe_complete(token)
 
@@ -319,9 +319,8 @@ class Session:
         for op in list(self.matching.ops.values()):
             if self.stall.due(op.key, op.started, now):
                 self.stall.asked(op.key, op.label, op.started, now)
-                for peer in range(self.world_size):
-                    if peer != self.rank:
-                        self._control(peer, wire.Ask(op.key, op.desc))
+                for peer in self.liveness.open_peers():
+                    self._control(peer, wire.Ask(op.key, op.desc))
 
     # ---- operations ----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Everything that affects how a control message is written into a frame lives here. A frame's
 header has generic fields (``name``/``instance``, ``step``, ``seg``, a payload); each control
-message below is a small type, and ``CONTROL`` is the one table that says which frame type
+message below is a small type, and the table below (kept by ``encode`` and ``decode``, the
+only code that reads or writes these fields) says which frame type
 carries it and which fields hold what. So a field means one thing per message, and the session
 never reads ``seg`` or ``instance`` itself:
 
@@ -59,7 +60,7 @@ ANSWERS = {PENDING: "pending", NOT_POSTED: "not posted", DONE: "done", FAILED: "
 
 #: ERROR's ``seg``: the class the operation fails with on the receiver too.
 ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
-_ERROR_CODES = {cls: code for code, cls in ERROR_CLASSES.items()}
+ERROR_CODES = {cls: code for code, cls in ERROR_CLASSES.items()}
 
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
 _DTYPE_NAMES = {code: dtype.name for code, dtype in DTYPE_BY_CODE.items()}
@@ -113,11 +114,6 @@ class Abort(NamedTuple):
 
 Control = Beat | Hold | Posted | Ask | Answer | Failed | Abort
 
-#: message type -> frame type (the table in the module docstring)
-CONTROL: dict[type, int] = {
-    Beat: HEARTBEAT, Hold: FLOW, Posted: INQUIRY, Ask: INQUIRY, Answer: INQUIRY,
-    Failed: ERROR, Abort: ABORT,
-}  # fmt: skip
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, NO_DESC)
 _HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, NO_DESC)
 
@@ -138,7 +134,7 @@ def encode(message: Control) -> tuple[bytes, bytes]:
     (name, instance), desc = message.key, message.desc
     if isinstance(message, Failed):
         reason = _reason_bytes(message.reason)
-        code = _ERROR_CODES.get(message.error, 3)
+        code = ERROR_CODES.get(message.error, 3)
         return pack_header(ERROR, name, instance, 0, code, len(reason), desc), reason
     seg = POSTED if isinstance(message, Posted) else ASK if isinstance(message, Ask) else 0
     if isinstance(message, Answer):

@@ -81,11 +81,12 @@ _HANDSHAKE_SECONDS = 5.0
 _MAX_PENDING = 128
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, lowat: int) -> None:
+    """TCP_NODELAY, large buffers, and at most ``lowat`` bytes unsent in the kernel (0: no
+    limit; see ``not_sent_bytes``)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-    lowat = not_sent_bytes()
     if lowat:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
 
@@ -134,13 +135,16 @@ def connect_mesh(
     naming the ranks that never connected (and why connections were dropped, if any were).
     """
     key = resolve_secret(secret)
+    lowat = not_sent_bytes()  # read once, and refused before any connection exists
     host, port = listener.getsockname()[:2]
     warn_if_exposed(str(host), int(port), f"data listener of rank {rank}", key)
     socks: dict[int, socket.socket] = {}
     try:
         for peer in range(rank):
-            socks[peer] = _dial(rank, world_size, peer, addresses[peer], token, deadline, key)
-        _Acceptor(rank, world_size, listener, token, deadline, key).run(socks)
+            socks[peer] = _dial(
+                rank, world_size, peer, addresses[peer], token, deadline, key, lowat
+            )
+        _Acceptor(rank, world_size, listener, token, deadline, key, lowat).run(socks)
     except BaseException:
         for s in socks.values():
             s.close()
@@ -156,12 +160,13 @@ def _dial(
     token: bytes,
     deadline: float,
     secret: Secret | None,
+    lowat: int,
 ) -> socket.socket:
     """A connection to ``peer``, handshake done; retried while the peer refuses or hangs up."""
     while True:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            _tune(sock)
+            _tune(sock, lowat)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.connect(address)
             hello = _handshake_out(sock, rank, world_size, peer, address, token, deadline, secret)
@@ -234,9 +239,11 @@ class _Acceptor:
         token: bytes,
         deadline: float,
         secret: Secret | None,
+        lowat: int,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.lowat = lowat
         self.token = token
         self.deadline = deadline
         self.secret = secret
@@ -343,7 +350,7 @@ class _Acceptor:
         self.listener.finished(incoming)
         self.selector.unregister(incoming.sock)
         incoming.sock.setblocking(True)
-        _tune(incoming.sock)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
+        _tune(incoming.sock, self.lowat)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
         self.expected.discard(peer)
         socks[peer] = incoming.sock
 

@@ -41,10 +41,9 @@ from .frame import (
     with_flags,
 )
 from .listener import WakeUp
-from .mesh import HELLO, connect_mesh
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
-__all__ = ["TcpTransport", "connect_mesh", "HELLO"]  # the last two live in mesh.py
+__all__ = ["TcpTransport"]
 
 _READS_PER_EVENT = 64
 _BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)

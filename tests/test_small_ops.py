@@ -1,0 +1,169 @@
+"""The small-operation path: what changes when an allreduce is latency-bound.
+
+An operation of at most ``SMALL_ALLREDUCE_BYTES`` is *small*: its events make the progress
+thread busy-poll for ``settings.spin`` instead of sleeping in the kernel (engine.py ``_poll``),
+and completing it hands the core to its waiter at once. The fallback is the sleeping path,
+``ASYNCREDUCE_SPIN_US=0``. Every test here runs both, on real processes over real sockets:
+small operations from several threads beside large ones from another, every value checked; a
+peer killed while the others spin; and what the spin leaves behind once it is over (no core
+kept busy). The sans-IO side (which events start a spin) is tested in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncreduce as ar
+from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
+from asyncreduce.protocol import Settings
+from spmd import run_ranks
+from wire import Wire
+
+PATHS = {"spin": {}, "fallback": {"ASYNCREDUCE_SPIN_US": "0"}}
+BULK_FLOATS = 4 << 20  # 16 MiB: a ring allreduce, well above the small limit
+THREADS, PER_THREAD = 4, 40
+BULK_OPS = 16
+
+
+def _spin_of(comm: ar.Communicator) -> float:
+    engine = comm._backend.engine
+    assert engine is not None
+    return float(engine.settings.spin)
+
+
+def _small_size(j: int) -> int:
+    """1 to 16384 float32 (4 B to 64 KiB): every small size class, the largest at the limit."""
+    return 1 << (j % 15)
+
+
+def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
+    """Four threads run blocking small allreduces (their own names, so the ranks' global
+    orders differ with the threads' timing) while a fifth runs 16 MiB ones; every value is
+    checked; returns when each finished and the spin setting in force."""
+    r, n = comm.rank, comm.world_size
+    bulk_done: list[float] = []
+    small_done: list[float] = []
+    errors: list[BaseException] = []
+
+    def bulk() -> None:
+        for i in range(BULK_OPS):
+            x = np.full(BULK_FLOATS, float(r + i), np.float32)
+            comm.allreduce(x, name="bulk")
+            assert np.all(x == sum(q + i for q in range(n))), f"bulk {i}: {x[:4]}"
+            bulk_done.append(time.perf_counter())
+
+    def small(t: int) -> None:
+        for j in range(PER_THREAD):
+            x = np.full(_small_size(j), float(r * 1000 + t * 100 + j), np.float32)
+            assert x.nbytes <= SMALL_ALLREDUCE_BYTES
+            comm.allreduce(x, name=f"t{t}")
+            expect = sum(q * 1000 + t * 100 + j for q in range(n))
+            assert np.all(x == expect), f"thread {t} op {j}: {x[:4]} != {expect}"
+            small_done.append(time.perf_counter())
+
+    def guarded(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    comm.barrier()
+    start = time.perf_counter()
+    pool = [threading.Thread(target=guarded, args=(bulk,))]
+    pool += [threading.Thread(target=guarded, args=(small, t)) for t in range(THREADS)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {
+        "spin": _spin_of(comm),
+        "small": sorted(t - start for t in small_done),
+        "bulk": sorted(t - start for t in bulk_done),
+    }
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_small_operations_from_threads_complete_beside_large_ones(path: str) -> None:
+    results = run_ranks(3, body_small_beside_large, env=PATHS[path], timeout=120)
+    for rank, got in results.items():
+        assert (got["spin"] > 0) == (path == "spin"), f"rank {rank}: spin {got['spin']}"
+        assert len(got["small"]) == THREADS * PER_THREAD and len(got["bulk"]) == BULK_OPS
+        # small operations do not queue behind the bulk: most of them are done before it is
+        median_small = got["small"][len(got["small"]) // 2]
+        assert median_small < got["bulk"][-1], f"rank {rank}: {median_small} vs {got['bulk']}"
+
+
+def body_peer_dies_mid_spin(comm: ar.Communicator) -> dict[str, Any]:
+    """Every rank runs 4 KiB allreduces back to back (the spinning state); rank 2 SIGKILLs
+    itself 0.3 s in. The survivors return how many completed, how long the failure took to
+    reach them, its message, and the CPU their process used in the 0.5 s after it."""
+    x = np.ones(1024, np.float32)
+    comm.barrier()
+    if comm.rank == 2:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    completed = 0
+    start = time.monotonic()
+    killed_at = start + 0.3
+    try:
+        while True:
+            comm.allreduce(x)
+            completed += 1
+    except ar.BrokenError as exc:
+        message = str(exc)
+    noticed = time.monotonic() - killed_at
+    cpu = time.process_time()
+    time.sleep(0.5)
+    cpu = time.process_time() - cpu
+    with pytest.raises(ar.BrokenError):
+        comm.allreduce(x)  # broken for good, at once
+    return {"spin": _spin_of(comm), "completed": completed, "noticed": noticed,
+            "message": message, "idle_cpu": cpu}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: str) -> None:
+    results = run_ranks(3, body_peer_dies_mid_spin, env=PATHS[path], expect_dead=frozenset({2}),
+                        timeout=90)  # fmt: skip
+    assert set(results) == {0, 1}
+    for rank, got in results.items():
+        assert (got["spin"] > 0) == (path == "spin")
+        assert got["completed"] >= 10, f"rank {rank}: died before the run began ({got})"
+        assert "rank 2" in got["message"], got["message"]
+        assert got["noticed"] < 10, f"rank {rank}: the loss took {got['noticed']:.1f} s"
+        # nothing left spinning: a busy-polling thread would use ~0.5 s of CPU here
+        assert got["idle_cpu"] < 0.2, f"rank {rank}: {got['idle_cpu']:.2f} s CPU while idle"
+
+
+# ---- sans-IO: which events start a spin -----------------------------------------------------
+
+
+def test_only_small_operations_make_the_engine_spin() -> None:
+    """A small operation's post and end set ``spin_until`` to the event's time plus the spin;
+    a large one's leave it; spin=0 (the fallback) never sets it past the present."""
+    for spin, n_floats, spins in ((1e-3, 1024, True), (1e-3, 1 << 20, False), (0.0, 1024, False)):
+        wire = Wire(2, seed=7, settings=Settings(spin=spin))
+        for rank in wire.ranks:
+            rank.now = 100.0
+        xs = [np.full(n_floats, float(r + 1), np.float32) for r in range(2)]
+        for r in range(2):
+            wire.post(r, "allreduce", "x", xs[r])
+        posted_until = [rank.session.spin_until for rank in wire.ranks]
+        for rank in wire.ranks:
+            rank.now = 200.0
+        wire.run()
+        assert all(np.all(x == 3) for x in xs)
+        ended_until = [rank.session.spin_until for rank in wire.ranks]
+        if spins:
+            assert posted_until == [100.0 + spin] * 2, posted_until
+            assert ended_until == [200.0 + spin] * 2, ended_until
+        else:
+            assert max(posted_until + ended_until) <= 200.0, (posted_until, ended_until)

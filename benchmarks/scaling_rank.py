@@ -4,8 +4,10 @@
 model (the same seed everywhere), wraps it (``asyncreduce.torch.DataParallel`` in one of its
 modes, PyTorch DDP over a Gloo group joined next to asyncreduce, or nothing for ``local``),
 runs ``--warmup`` untimed iterations and then the timed ones, and reports the slowest rank's
-time with DataParallel's stats of the timed part (``_measure``). torch and ``scaling_models``
-are imported only here, inside the functions, so the parent's ``--help`` needs neither.
+time with DataParallel's stats of the timed part (``_measure``) and every rank's CPU and link
+bytes over the same window (``scaling_usage``, gathered to every rank by ``rank.gather``).
+torch and ``scaling_models`` are imported only here, inside the functions, so the parent's
+``--help`` needs neither.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
 import harness  # noqa: E402
 from scaling_setup import CNN_ITERATIONS, GLOO_PORT, MODES  # noqa: E402
+from scaling_usage import USAGE_FIELDS, Usage, window  # noqa: E402
 
 __all__ = ["Trainer", "worker"]
 
@@ -106,19 +109,22 @@ def _trainer(rank: Any, model: str, method: str, settings: dict[str, Any]) -> Tr
 
 
 def _measure(rank: Any, trainer: Trainer, warmup: int, iterations: int) -> dict[str, Any]:
-    """Warm up, time ``iterations`` steps (the slowest rank's), then apply what is in flight."""
+    """Warm up, time ``iterations`` steps (the slowest rank's), then apply what is in flight;
+    every rank's CPU and link bytes over the timed steps go into ``usage``."""
     from scaling_models import SleepClock
 
     for _ in range(warmup):
         trainer.step()
     before = trainer.stats() if trainer.stats else None
     times, late = [], SleepClock.late()
+    used = Usage.now()
     start = time.perf_counter()
     for _ in range(iterations):
         began = time.perf_counter()
         trainer.step()
         times.append(time.perf_counter() - began)
     mine = time.perf_counter() - start
+    used_window = window(used, Usage.now())
     late = SleepClock.late() - late
     after = trainer.stats() if trainer.stats else None
     trainer.finish()
@@ -128,10 +134,19 @@ def _measure(rank: Any, trainer: Trainer, warmup: int, iterations: int) -> dict[
         "seconds": rank.max(mine),
         "iteration_s": [round(t, 4) for t in times],  # rank 0's
         "late_s": late / iterations,  # rank 0's emulated sleeps' overrun per iteration
+        "usage": _usage(rank, used_window),
     }
     if before is not None and after is not None:
         result.update(_hidden(before, after, iterations))
     return result
+
+
+def _usage(rank: Any, mine: dict[str, float]) -> dict[str, Any]:
+    """``{field: [rank 0's, rank 1's, ...]}`` of ``scaling_usage.window``'s totals over the
+    timed window (CPU seconds, link bytes, the window's seconds), and this machine's CPUs."""
+    rows = rank.gather([mine[field] for field in USAGE_FIELDS])
+    per_rank = {field: [row[i] for row in rows] for i, field in enumerate(USAGE_FIELDS)}
+    return {**per_rank, "cpus": os.cpu_count()}
 
 
 def _hidden(before: dict[str, float], after: dict[str, float], iterations: int) -> dict[str, Any]:

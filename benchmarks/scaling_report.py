@@ -3,9 +3,11 @@
 ``derive`` adds to each result its iterations per second, its scaling (over the same method on
 one host), its share of ``local`` at the same K and, for resnet50, the ideal scaling if only
 the link cost time (``ideal_scaling``, from ``scaling_models.ideal_period``). ``report``
-prints the preamble and the link's terms, then per model a title, one row per (method, K)
-and the findings against the seed's numbers and the target; ``plot`` draws scaling against
-hosts, one panel per model.
+prints the preamble and the link's terms, then per model a title, one row per (method, K),
+the findings against the seed's numbers and the target, and "where the time goes"
+(``_usage_table``: CPU per thread kind, the cores' share in use and the link's utilisation
+over the timed window; "-" for results saved before these were measured); ``plot`` draws
+scaling against hosts, one panel per model.
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ from scaling_setup import (  # noqa: E402
     ring_bytes,
 )
 
-__all__ = ["SEED", "TARGET", "derive", "ideal_scaling", "plot", "report", "summary"]
+__all__ = [
+    "SEED",
+    "TARGET",
+    "USAGE_HEADERS",
+    "derive",
+    "ideal_scaling",
+    "plot",
+    "report",
+    "summary",
+    "usage_cells",
+]
 
 TARGET = 0.95  # the issue's target for forward mode
 SEED = {"blocking": 0.6672, "forward": 0.924}  # ResNet-50, 16 nodes, 10 GbE
@@ -121,6 +133,48 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return harness.render_table(headers, cells, left=1)
 
 
+USAGE_HEADERS = ["method", "hosts", "train CPU s/it", "progress CPU s/it", "other CPU s/it",
+                 "process CPU s/it", "cores busy", "link tx", "link rx"]  # fmt: skip
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def usage_cells(row: dict[str, Any], rate_bps: float) -> list[str]:
+    """One row of "where the time goes": CPU seconds per iteration (mean over ranks) of the
+    training thread, the progress threads, the other threads and the process; all ranks'
+    process CPU over the cores' capacity in the row's s/iter; the link's mean utilisation each
+    way over the timed window ("-" on one host, where there is no link). "-" everywhere for a
+    result without ``usage`` (saved before it was measured)."""
+    u, n = row.get("usage"), row["iterations"]
+    head = [row["method"], str(row["hosts"])]
+    if not u:
+        return head + ["-"] * (len(USAGE_HEADERS) - len(head))
+    cpu = [_seconds(_mean(u[f]) / n) for f in
+           ("train_cpu_s", "progress_cpu_s", "other_cpu_s", "process_cpu_s")]  # fmt: skip
+    busy = sum(u["process_cpu_s"]) / n / (u["cpus"] * row["mean_iteration_s"])
+    link = ["-", "-"]
+    if row["hosts"] > 1:
+        link = [
+            _pct(_mean([b / (rate_bps / 8 * w) for b, w in zip(u[f], u["window_s"], strict=True)]))
+            for f in ("tx_bytes", "rx_bytes")
+        ]
+    return head + cpu + [_pct(busy)] + link
+
+
+def _usage_table(rows: list[dict[str, Any]], settings: dict[str, Any], model: str) -> list[str]:
+    cells = [usage_cells(r, settings["rate_bps"]) for r in rows]
+    return [
+        f"{model}: where the time goes, over the timed iterations: CPU s/it = mean over ranks "
+        "(train = the training thread, progress = asyncreduce's progress thread, other = the "
+        "rest of the process: Gloo's threads for ddp); cores busy = all ranks' process CPU / "
+        f"(cores x s/iter); link = bytes through the host's link / ({settings['rate']} x the "
+        "window), mean over ranks",
+        harness.render_table(USAGE_HEADERS, cells, left=1),
+    ]
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -190,6 +244,7 @@ def report(run: harness.Run, machine: dict[str, Any]) -> str:
         lines += ["", _model_title(model, s)]
         lines += [_table(mine)] if mine else ["(no results)"]
         lines += _findings(mine, model)
+        lines += _usage_table(mine, s, model) if mine else []
     return "\n".join(lines)
 
 

@@ -7,13 +7,21 @@ time it was given, and its gradients must arrive layer by layer from the output 
 (1 / (1 + 0.5) at K=4). The end-to-end test builds real emulated hosts (root, ``ip netns``
 and ``tc`` needed; skipped otherwise) and runs the benchmark's quick path on 1 and 2 hosts with
 a short emulated compute, then checks that every method produced a sane scaling.
+
+Where the time goes (``scaling_usage``): the per-thread CPU reader must give a spinning thread
+its CPU and a sleeping one none, the interface counters must grow with the bytes that cross an
+interface (loopback here, no namespace needed), the window's split must add up, ``gather``'s
+rows must survive the sum, and the report must print the second table from a synthetic run,
+with "-" for results saved before these were measured.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -27,15 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "scaling.py"
 sys.path.insert(0, str(BENCHMARKS))
+import harness  # noqa: E402
 import scaling_models  # noqa: E402
+import scaling_report  # noqa: E402
+import scaling_usage  # noqa: E402
+from harness import ranks  # noqa: E402
 
 RESNET50_PARAMS = 25_557_032  # torchvision.models.resnet50(): sum(p.numel() ...)
 METHODS = ("blocking", "backward", "forward", "double_buffer", "ddp", "local")
 
 
 def _cluster() -> ModuleType:
-    import harness
-
     return harness.load_module("asyncreduce_scripts.cluster", ROOT / "scripts" / "cluster.py")
 
 
@@ -103,3 +113,152 @@ def test_quick_run_on_one_and_two_hosts(tmp_path: Path) -> None:
         if r["hosts"] == 2 and r["method"] not in ("ddp", "local"):
             assert 0.0 <= r["hidden_share"] <= 1.0 and r["comm_s"] > 0, r
     assert "forward" in done.stdout and "ideal" in done.stdout
+
+
+def _thread_cpu(work: Any) -> tuple[float, float, float]:
+    """Run ``work`` in a real thread and, while it is still alive afterwards, read its CPU as
+    ``thread_cpu_s`` and ``thread_ticks_s`` see it and as it saw itself (``thread_time``)."""
+    worked, release, box = threading.Event(), threading.Event(), {}
+
+    def body() -> None:
+        work()
+        box["own"] = time.thread_time()
+        worked.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=body, name="test-usage")
+    thread.start()
+    try:
+        assert worked.wait(10)
+        assert thread.native_id is not None
+        seen = scaling_usage.thread_cpu_s(thread.native_id)
+        ticks = scaling_usage.thread_ticks_s(thread.native_id)
+    finally:
+        release.set()
+        thread.join(10)
+    return seen, ticks, box["own"]
+
+
+def test_thread_cpu_reader_sees_a_busy_thread_and_not_a_sleeping_one() -> None:
+    def spin() -> None:  # 0.2 s of CPU, however busy the machine's 2 cores are
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+
+    busy, busy_ticks, busy_own = _thread_cpu(spin)
+    idle, idle_ticks, _ = _thread_cpu(lambda: time.sleep(0.2))
+    assert busy >= 0.2 and busy == pytest.approx(busy_own, abs=0.01)
+    assert busy_ticks == pytest.approx(busy, abs=0.03)  # ticks of 10 ms
+    assert idle < 0.02 and idle_ticks < 0.03
+    assert busy > idle + 0.15
+
+
+def test_thread_cpu_of_a_thread_that_is_gone_is_zero() -> None:
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join()  # Python's part is over; the kernel's thread may end a moment later
+    assert thread.native_id is not None
+    task, deadline = Path(f"/proc/self/task/{thread.native_id}"), time.monotonic() + 5
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not task.exists()
+    assert scaling_usage.thread_cpu_s(thread.native_id) == 0.0
+    assert scaling_usage.thread_ticks_s(thread.native_id) == 0.0
+
+
+def test_engine_threads_are_found_by_name() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name=f"{scaling_usage.ENGINE_PREFIX}7")
+    thread.start()
+    try:
+        assert thread.native_id in scaling_usage.engine_native_ids()
+    finally:
+        stop.set()
+        thread.join()
+    assert thread.native_id not in scaling_usage.engine_native_ids()
+
+
+def test_loopback_counters_grow_with_the_bytes_sent() -> None:
+    payload = b"x" * (1 << 20)
+    tx0, rx0 = scaling_usage.interface_bytes("lo")
+    server = socket.create_server(("127.0.0.1", 0))
+    with server, socket.create_connection(server.getsockname()) as out:
+        peer, _ = server.accept()
+        with peer:
+            out.sendall(payload)
+            got = 0
+            while got < len(payload):
+                got += len(peer.recv(1 << 16))
+    tx1, rx1 = scaling_usage.interface_bytes("lo")
+    assert tx1 - tx0 >= len(payload) and rx1 - rx0 >= len(payload)  # lo: sent is received
+
+
+def test_link_bytes_add_every_interface_but_loopback(tmp_path: Path) -> None:
+    for name, tx, rx in (("lo", 1000, 1000), ("eth0", 5, 7), ("eth1", 10, 20)):
+        stats = tmp_path / name / "statistics"
+        stats.mkdir(parents=True)
+        (stats / "tx_bytes").write_text(f"{tx}\n")
+        (stats / "rx_bytes").write_text(f"{rx}\n")
+    assert scaling_usage.link_bytes(tmp_path) == (15, 27)
+    assert scaling_usage.link_bytes(tmp_path / "absent") == (0, 0)
+
+
+def test_window_splits_the_process_cpu() -> None:
+    before = scaling_usage.Usage(1.0, {11: 2.0, 12: 5.0}, 10.0, 100, 200, 50.0)
+    after = scaling_usage.Usage(1.5, {11: 2.25, 13: 9.0}, 11.0, 1100, 3200, 52.0)
+    got = scaling_usage.window(before, after)
+    assert list(got) == list(scaling_usage.USAGE_FIELDS)
+    assert got == {  # thread 11 alone was alive at both ends
+        "train_cpu_s": 0.5, "progress_cpu_s": 0.25, "other_cpu_s": 0.25, "process_cpu_s": 1.0,
+        "tx_bytes": 1000.0, "rx_bytes": 3000.0, "window_s": 2.0,
+    }  # fmt: skip
+    here = scaling_usage.window(scaling_usage.Usage.now(), scaling_usage.Usage.now())
+    assert here["window_s"] > 0 and here["train_cpu_s"] >= 0  # reads of the clocks, in order:
+    assert here["process_cpu_s"] == pytest.approx(here["train_cpu_s"], abs=0.01)  # tens of us
+
+
+def test_gather_rows_survive_the_sum_over_ranks() -> None:
+    import numpy as np
+
+    mine = [[0.5, 1e12, -3.0], [2.0, 7.0, 0.0], [1 / 3, 0.1, 9.5]]
+    boxes = [ranks._rows(np.zeros(9), r, values) for r, values in enumerate(mine)]
+    assert ranks._split(sum(boxes).tolist(), 3) == mine  # what allreduce(sum) leaves
+
+
+def _usage(process: list[float], tx: list[float]) -> dict[str, Any]:
+    k = len(process)
+    return {
+        "train_cpu_s": [0.2] * k, "progress_cpu_s": [0.4] * k, "other_cpu_s": [0.0] * k,
+        "process_cpu_s": process, "tx_bytes": tx, "rx_bytes": [b / 2 for b in tx],
+        "window_s": [2.0] * k, "cpus": 2,
+    }  # fmt: skip
+
+
+def test_report_prints_where_the_time_goes() -> None:
+    settings = {
+        "hosts": [1, 2], "models": ["resnet50"], "methods": ["forward", "ddp"],
+        "rate": "1gbit", "rate_bps": 1e9, "ratio": 0.5, "compute_s": 1.0, "cnn_batch": 16,
+        "warmup": 1, "iterations": 2, "quick": False,
+    }  # fmt: skip
+    common = {"model": "resnet50", "iterations": 2, "warmup": 1, "seconds": 2.0, "late_s": 0.01}
+    results = [
+        {**common, "method": "forward", "hosts": 1, "usage": _usage([0.8], [0.0])},
+        # 2 s for 2 iterations; 125 MB/s x 2 s = 250 MB: 50% and 100% tx, half that rx
+        {**common, "method": "forward", "hosts": 2, "usage": _usage([0.8, 1.2], [125e6, 250e6])},
+        {**common, "method": "ddp", "hosts": 2},  # saved before usage was measured
+    ]
+    run = harness.Run("scaling", settings, results)
+    text = scaling_report.report(run, {**harness.machine_info(), "library": {}})
+    lines = text.splitlines()
+    head = next(
+        i for i, line in enumerate(lines) if line.startswith("method") and "train CPU" in line
+    )
+    assert lines[head].split("  ")[0] == "method" and lines[head].endswith("link rx")
+    assert "where the time goes" in lines[head - 1]
+    rows = [line.split() for line in lines[head + 1 : head + 4]]
+    # forward K=1: 0.1 train, 0.2 progress, 0 other, 0.4 process s/it; 0.4 / (2 x 1.0) = 20%
+    assert rows[0] == ["forward", "1", "0.100", "0.200", "0.000", "0.400", "20.0%", "-", "-"]
+    # K=2: process 0.4 and 0.6 s/it, 1.0 / 2 = 50% of the cores; tx 75%, rx 37.5%
+    assert rows[1] == ["forward", "2", "0.100", "0.200", "0.000", "0.500", "50.0%", "75.0%",
+                       "37.5%"]  # fmt: skip
+    assert rows[2] == ["ddp", "2"] + ["-"] * 7

@@ -1,7 +1,8 @@
 """The worker side: one rank of one library, and the process that runs it.
 
 ``connect`` joins the job as a ``Rank``: the library's handle plus the three things every
-measurement needs (``barrier``, ``max`` over ranks, ``close``). ``timed`` runs a step after a
+measurement needs (``barrier``, ``max`` over ranks, ``close``), and ``gather`` (every rank's
+numbers, for reports that keep them per rank). ``timed`` runs a step after a
 barrier and returns each repeat's wall time, the maximum over ranks, so every rank runs the
 same number of collectives.
 
@@ -59,6 +60,11 @@ class Rank:
         """The maximum of ``value`` over all ranks (every rank must call it)."""
         raise NotImplementedError
 
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values``, by rank, on every rank (every rank must call it with as
+        many values)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -84,6 +90,11 @@ class AsyncReduceRank(Rank):
         box = self.np.array([value], dtype=self.np.float64)
         self.comm.allreduce(box, op="max", name="bench.max")
         return float(box[0])
+
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        box = _rows(self.np.zeros(self.size * len(values)), self.rank, values)
+        self.comm.allreduce(box, op="sum", name="bench.gather")  # the others' rows are 0
+        return _split(box.tolist(), self.size)
 
     def close(self) -> None:
         self.comm.close()
@@ -117,6 +128,12 @@ class GlooRank(Rank):
         self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX)
         return float(box.item())
 
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        box = self.torch.zeros(self.size * len(values), dtype=self.torch.float64)
+        box = _rows(box, self.rank, values)
+        self.dist.all_reduce(box, op=self.dist.ReduceOp.SUM)  # the others' rows are 0
+        return _split(box.tolist(), self.size)
+
     def close(self) -> None:
         self.dist.destroy_process_group()
 
@@ -136,6 +153,24 @@ class MpiRank(Rank):
 
     def max(self, value: float) -> float:
         return float(self.comm.allreduce(value, op=self.MPI.MAX))
+
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        return [[float(v) for v in row] for row in self.comm.allgather(list(values))]
+
+
+def _rows(box: Any, rank: int, values: Sequence[float]) -> Any:
+    """``box`` (zeros, ranks x len(values), flat) with ``values`` in ``rank``'s row: summed
+    over ranks, every row is its rank's values exactly (x + 0 is x in float64)."""
+    n = len(values)
+    for i, value in enumerate(values):
+        box[rank * n + i] = float(value)
+    return box
+
+
+def _split(flat: list[float], size: int) -> list[list[float]]:
+    """A flat ranks x n list as one list per rank."""
+    n = len(flat) // size
+    return [flat[r * n : (r + 1) * n] for r in range(size)]
 
 
 def connect(lib: str) -> Rank:

@@ -1,0 +1,145 @@
+"""Where a rank's time goes: the CPU each of its threads used and the bytes its link carried.
+
+The scaling benchmark's ``_measure`` takes a ``Usage`` snapshot at the start and at the end of
+its timed window; ``window`` turns the two into the window's totals for this rank. The CPU is
+split four ways: the training thread (the caller's, ``time.thread_time``), asyncreduce's
+progress threads (named ``asyncreduce-engine-<rank>``, read from ``/proc``), everything else
+(the process's CPU less those two: Gloo's threads for DDP, callbacks, the watchdog) and the
+process total (``time.process_time``). All four come from the scheduler's run time in
+nanoseconds (``thread_time``, ``process_time`` and ``/proc/.../schedstat`` read the same
+counter), so the difference "other" is not the noise of 10 ms ticks; ``/proc/.../stat``'s ticks
+are the fallback where schedstat is missing. The link's bytes are the interface counters under
+``/sys/class/net`` of every interface but ``lo``: inside an emulated host (``ip netns exec``
+mounts that namespace's ``/sys``) that is the host's one link. This module imports nothing
+beyond the standard library, so the tests can call it without a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "ENGINE_PREFIX",
+    "NET",
+    "USAGE_FIELDS",
+    "Usage",
+    "engine_native_ids",
+    "interface_bytes",
+    "link_bytes",
+    "thread_cpu_s",
+    "thread_ticks_s",
+    "window",
+]
+
+ENGINE_PREFIX = "asyncreduce-engine-"  # asyncreduce.engine names its progress thread so
+NET = Path("/sys/class/net")
+USAGE_FIELDS = (  # what ``window`` returns, in this order
+    "train_cpu_s",
+    "progress_cpu_s",
+    "other_cpu_s",
+    "process_cpu_s",
+    "tx_bytes",
+    "rx_bytes",
+    "window_s",
+)
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) that thread ``native_id`` of this process has used so far.
+
+    ``schedstat``'s first field is the scheduler's run time in ns, the counter that
+    ``time.thread_time`` reads for the calling thread; where the kernel has no schedstat,
+    ``thread_ticks_s``. 0.0 for a thread that has exited (its time is in the process's)."""
+    task = Path(f"/proc/self/task/{native_id}")
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return thread_ticks_s(native_id) if task.exists() else 0.0
+
+
+def thread_ticks_s(native_id: int) -> float:
+    """The same from ``stat``'s utime + stime, whole clock ticks (``SC_CLK_TCK``, usually
+    10 ms each): coarser, and sampled at the tick, but in every kernel. 0.0 once it exited."""
+    try:
+        text = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+    # fields[0] is field 3 (state), so utime (field 14) and stime (15) are fields[11] and [12]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_native_ids() -> list[int]:
+    """Kernel thread ids of the live asyncreduce progress threads of this process."""
+    return [
+        t.native_id
+        for t in threading.enumerate()
+        if t.name.startswith(ENGINE_PREFIX) and t.native_id is not None
+    ]
+
+
+def interface_bytes(name: str, net: Path = NET) -> tuple[int, int]:
+    """(tx, rx) bytes interface ``name`` has sent and received since it came up."""
+    stats = net / name / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def link_bytes(net: Path = NET) -> tuple[int, int]:
+    """(tx, rx) bytes of every interface but ``lo`` together: in an emulated host, its link."""
+    tx = rx = 0
+    for entry in sorted(net.iterdir()) if net.is_dir() else []:
+        if entry.name != "lo":
+            sent, received = interface_bytes(entry.name, net)
+            tx, rx = tx + sent, rx + received
+    return tx, rx
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One snapshot of the calling thread's, the progress threads' and the process's CPU
+    seconds, and of the link's bytes; ``now`` must be called on the training thread."""
+
+    train_cpu_s: float
+    progress_cpu_s: dict[int, float]  # per progress thread (native id)
+    process_cpu_s: float
+    tx_bytes: int
+    rx_bytes: int
+    at_s: float  # time.perf_counter()
+
+    @classmethod
+    def now(cls) -> Usage:
+        tx, rx = link_bytes()
+        return cls(
+            train_cpu_s=time.thread_time(),
+            progress_cpu_s={tid: thread_cpu_s(tid) for tid in engine_native_ids()},
+            process_cpu_s=time.process_time(),
+            tx_bytes=tx,
+            rx_bytes=rx,
+            at_s=time.perf_counter(),
+        )
+
+
+def window(before: Usage, after: Usage) -> dict[str, float]:
+    """The totals between two snapshots: CPU seconds of the training thread, the progress
+    threads (those alive at both ends), the other threads (the process's less those two, not
+    below 0: the snapshots read the process last) and the process; link bytes each way and the
+    window's length in seconds: ``USAGE_FIELDS``."""
+    train = after.train_cpu_s - before.train_cpu_s
+    progress = sum(
+        after.progress_cpu_s[tid] - before.progress_cpu_s[tid]
+        for tid in before.progress_cpu_s.keys() & after.progress_cpu_s.keys()
+    )
+    process = after.process_cpu_s - before.process_cpu_s
+    return {
+        "train_cpu_s": train,
+        "progress_cpu_s": progress,
+        "other_cpu_s": max(0.0, process - train - progress),
+        "process_cpu_s": process,
+        "tx_bytes": float(after.tx_bytes - before.tx_bytes),
+        "rx_bytes": float(after.rx_bytes - before.rx_bytes),
+        "window_s": after.at_s - before.at_s,
+    }

@@ -46,6 +46,10 @@ What the report shows per (model, method, K):
   (1 - time the training thread waited / time any allreduce was in flight);
 * **late** (resnet50): how much the emulated sleeps overran on rank 0, i.e. how long the
   training thread, ready to run, could not (a busy CPU, or the GIL held by another thread).
+* **where the time goes**, a second table (``scaling_usage``): CPU seconds per iteration of
+  the training thread, asyncreduce's progress thread, the rest of the process and the whole
+  process (mean over ranks), all ranks' CPU as a share of the machine's cores, and the link's
+  utilisation each way over the same timed window; every rank's totals are in the JSON.
 
 One rank is ``scaling_rank.py``, the report ``scaling_report.py``, the terms they share with
 this file (methods, ports, the link's arithmetic) ``scaling_setup.py``, the models

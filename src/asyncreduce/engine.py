@@ -57,7 +57,6 @@ class Engine(FrameSink):
         self.world_size = world_size
         self._lock = threading.Lock()
         self._submitted: deque[Operation | None] = deque()
-        self._closed = False
         self._aborting: str | None = None  # abort(reason) was asked for
         self._closing = threading.Event()  # close() or abort() was called
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
@@ -76,7 +75,7 @@ class Engine(FrameSink):
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
         with self._lock:
-            if self._closed:
+            if self._closing.is_set():
                 raise ClosedError(f"{op.label}: the communicator is closed")
             refusal = self.session.refusal(op.label)
             if refusal is not None:
@@ -97,11 +96,10 @@ class Engine(FrameSink):
 
     def _shut(self, abort_reason: str | None) -> None:
         with self._lock:
-            if not self._closed:
-                self._closed = True
+            if not self._closing.is_set():
+                self._closing.set()  # (under the lock: a submit that checked before is taken)
                 self._aborting = abort_reason
                 self._submitted.append(None)
-        self._closing.set()
         self.transport.wakeup()
         if self._thread is not threading.current_thread():
             self._thread.join()
@@ -287,7 +285,5 @@ class Engine(FrameSink):
                 self._apply()
 
     def on_peer_lost(self, peer: int, error: BaseException) -> None:
-        with self._lock:
-            closing = self._closed
-        self.session.lost(peer, error, closing)
+        self.session.lost(peer, error, self._closing.is_set())
         self._apply()

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..algorithms.reduction import finalize
+from ..envvars import env_number
 from ..flight import FlightRecorder
-from ..protocol.operation import env_number
 from .posted import Posted, Running
 
 __all__ = ["FUSION_BYTES", "Call", "complete", "fuse", "fusion_bytes_from_env", "pack"]

@@ -85,6 +85,10 @@ class Flow:
         self.holding_back.pop(peer, None)
         return self.kept.pop(peer, [])
 
+    def broken(self) -> None:
+        """The session broke: every operation failed, so nothing kept back will be sent."""
+        self.kept.clear()
+
     def ended(self, key: Key) -> None:
         """``key`` ended here: its 'posted there' marks are no longer needed."""
         for posted in self.holding_back.values():

@@ -9,7 +9,6 @@ is done and ``unsent`` is 0, so the caller may reuse its buffer at once.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from ..algorithms import Array, Collective
-from ..errors import UsageError
+from ..envvars import env_number
 from ..flight import Record
 from ..request import Request
 from ..transport.frame import Descriptor
 from .wire import Key
 
-__all__ = ["Operation", "Settings", "Spares", "bytes_of", "env_number"]
+__all__ = ["Operation", "Settings", "Spares", "bytes_of"]
 
 
 @dataclass(eq=False)
@@ -72,20 +71,6 @@ class Settings:
             flight_dir=os.environ.get("ASYNCREDUCE_FLIGHT_DIR") or None,
             spin=env_number("ASYNCREDUCE_SPIN_US", cls.spin * 1e6, float, 0) / 1e6,
         )
-
-
-def env_number(name: str, default: Any, kind: type, least: float) -> Any:
-    """The number in environment variable ``name`` (``default`` if unset), at least ``least``."""
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not least <= value < math.inf:
-        raise UsageError(f"{name}={text!r}: expected a {kind.__name__} >= {least}")
-    return value
 
 
 class Spares:

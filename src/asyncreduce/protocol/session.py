@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, ProtocolError, Send
@@ -105,8 +105,8 @@ class Session:
         self.matching.ops[op.key] = op
         op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
         self._spin_after(op)
-        for peer in self.flow.told:
-            self._control(peer, wire.Posted(op.key, op.desc))
+        if self.flow.told:
+            self._control(self.flow.told, wire.Posted(op.key, op.desc))
         op.age = next(self._order)
         op.started = now
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
@@ -215,8 +215,7 @@ class Session:
                     f"rank {self.rank} (still waiting for {waiting})"))  # fmt: skip
         if not self.liveness.beat_due(now):
             return
-        for peer in self.liveness.open_peers():
-            self._control(peer, wire.Beat())
+        self._control(self.liveness.open_peers(), wire.Beat())
         silent = self.liveness.silent(now)
         for op in list(self.matching.ops.values()):
             # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
@@ -258,12 +257,11 @@ class Session:
         self.broken = error
         for op in list(self.matching.ops.values()):
             self._fail(op, broken_by(op, error))
-        self.flow.kept.clear()
+        self.flow.broken()
         message: Control = wire.Abort(str(error))
         if about is not None:
             message = wire.Failed(*about, type(error), str(error))  # type: ignore[arg-type]
-        for peer in self.liveness.open_peers():
-            self._control(peer, message)
+        self._control(self.liveness.open_peers(), message)
         self.flight.broken = f"{type(error).__name__}: {error}"
         self.commands.append((do.BROKE, error))
 
@@ -278,7 +276,7 @@ class Session:
                 self.commands.append((do.SEND, peer, head, payload, op.priority, op, op.age))
         elif isinstance(message, wire.Ask):
             answer = self.matching.answer(message.key)
-            self._control(peer, wire.Answer(message.key, message.desc, answer))
+            self._control((peer,), wire.Answer(message.key, message.desc, answer))
         elif isinstance(message, wire.Answer):
             self.stall.answered(message.key, peer, message.answer, self._now)
         elif isinstance(message, wire.Abort):
@@ -310,17 +308,19 @@ class Session:
             self._maybe_complete(op)
         self.commands.append((do.RELEASE, peer))
 
-    def _control(self, peer: int, message: Control) -> None:
+    def _control(self, peers: Iterable[int], message: Control) -> None:
+        """Send ``message`` to each of ``peers``, encoded once."""
         head, payload = wire.encode(message)
-        self.commands.append((do.SEND, peer, head, memoryview(payload), CONTROL_PRIORITY, None, 0))
+        view = memoryview(payload)
+        for peer in peers:
+            self.commands.append((do.SEND, peer, head, view, CONTROL_PRIORITY, None, 0))
 
     def _inspect_stalls(self, now: float) -> None:
         self.stall.overdue(now)
         for op in list(self.matching.ops.values()):
             if self.stall.due(op.key, op.started, now):
                 self.stall.asked(op.key, op.label, op.started, now)
-                for peer in self.liveness.open_peers():
-                    self._control(peer, wire.Ask(op.key, op.desc))
+                self._control(self.liveness.open_peers(), wire.Ask(op.key, op.desc))
 
     # ---- operations ----------------------------------------------------------------------------
 
@@ -333,9 +333,9 @@ class Session:
         elif header.key not in matching.failed and self.broken is None:
             matching.keep(peer, header, payload)
             if self.flow.over_cap(peer, matching.unexpected_bytes):
-                self._control(peer, wire.Hold())
+                self._control((peer,), wire.Hold())
                 for op in matching.ops.values():
-                    self._control(peer, wire.Posted(op.key, op.desc))
+                    self._control((peer,), wire.Posted(op.key, op.desc))
 
     def _late_frame(self, peer: int, header: Header) -> None:
         """A frame for an operation completed here: ranks disagreed in a way the operation could

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import selectors
 import socket
 import struct
@@ -32,7 +31,7 @@ from ..auth import (
     resolve_secret,
     warn_if_exposed,
 )
-from ..errors import UsageError
+from ..envvars import env_number
 from .listener import (
     ADMIT,
     CHALLENGE,
@@ -94,12 +93,7 @@ def _tune(sock: socket.socket, lowat: int) -> None:
 def not_sent_bytes() -> int:
     """The kernel's share of a connection's unsent frames (``NOT_SENT_BYTES``, or
     ASYNCREDUCE_NOTSENT_KIB KiB; 0: as much as SO_SNDBUF holds)."""
-    text = os.environ.get("ASYNCREDUCE_NOTSENT_KIB")
-    if not text:
-        return NOT_SENT_BYTES
-    if not text.isdigit():
-        raise UsageError(f"ASYNCREDUCE_NOTSENT_KIB={text!r}: expected a whole number of KiB >= 0")
-    return int(text) << 10
+    return int(env_number("ASYNCREDUCE_NOTSENT_KIB", NOT_SENT_BYTES >> 10, int, 0)) << 10
 
 
 def _hello(rank: int, world_size: int, token: bytes) -> bytes:

@@ -1,0 +1,34 @@
+"""Numbers from ASYNCREDUCE_* environment variables, checked in one place.
+
+Every tunable the library reads from the environment (timeouts, buffer sizes, spin time) goes
+through ``env_number``, so a value that is not a number, or out of range, fails with the same
+message naming the variable, wherever it is read: the transport, the protocol or an engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from .errors import UsageError
+
+__all__ = ["env_number"]
+
+_KINDS = {int: "an integer", float: "a number"}
+
+
+def env_number(name: str, default: Any, kind: type, least: float) -> Any:
+    """The number in environment variable ``name`` (``default`` if unset), at least ``least``."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not least <= value < math.inf:
+        raise UsageError(
+            f"{name}={text!r}: expected {_KINDS.get(kind, kind.__name__)} >= {least:g}"
+        )
+    return value

@@ -65,3 +65,19 @@ def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
             assert r["algorithm"] == ("doubling" if size <= SMALL_ALLREDUCE_BYTES else "ring")
         else:
             assert r["algorithm"] == "-"
+
+
+def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
+    """Each part is measured and none can exceed the whole: an engine on TCP is never faster
+    than the raw exchange under it, and the protocol alone costs less than the operation."""
+    out = tmp_path / "small.json"
+    command = [sys.executable, "-m", "asyncreduce", "bench", "small_ops", "--nprocs", "2",
+               "--repeats", "1", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "whole allreduce N=2" in done.stdout
+    us = json.loads(out.read_text())["us"]
+    assert 0 < us["floor_busy"] < us["n2_spin_latency"], us
+    assert 0 < us["protocol_cpu"] < us["n2_spin_cpu"], us
+    assert 0 < us["call"] < us["n2_spin_latency"], us
+    assert us["n2_sleep_latency"] > 0 and us["n2_sleep_cpu"] > 0, us

@@ -195,15 +195,21 @@ def shuffled_in_threads(
     of any thread is raised here."""
     order = list(range(ops))
     random.Random(1000 + rank).shuffle(order)
+    in_threads(*(functools.partial(work, order[t::threads]) for t in range(threads)))
+
+
+def in_threads(*calls: Callable[[], object]) -> None:
+    """Run each call on a thread of its own, all at once; the first error of any is raised
+    here once all have ended."""
     errors: list[BaseException] = []
 
-    def guarded(mine: list[int]) -> None:
+    def guarded(call: Callable[[], object]) -> None:
         try:
-            work(mine)
+            call()
         except BaseException as exc:
             errors.append(exc)
 
-    pool = [threading.Thread(target=guarded, args=(order[t::threads],)) for t in range(threads)]
+    pool = [threading.Thread(target=guarded, args=(call,)) for call in calls]
     for t in pool:
         t.start()
     for t in pool:

@@ -11,6 +11,7 @@ kept busy). The sans-IO side (which events start a spin) is tested in one proces
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -23,7 +24,7 @@ import pytest
 import asyncreduce as ar
 from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
 from asyncreduce.protocol import Settings
-from spmd import run_ranks
+from spmd import in_threads, run_ranks
 from wire import Wire
 
 PATHS = {"spin": {}, "fallback": {"ASYNCREDUCE_SPIN_US": "0"}}
@@ -50,7 +51,6 @@ def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
     r, n = comm.rank, comm.world_size
     bulk_done: list[float] = []
     small_done: list[float] = []
-    errors: list[BaseException] = []
 
     def bulk() -> None:
         for i in range(BULK_OPS):
@@ -68,22 +68,9 @@ def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
             assert np.all(x == expect), f"thread {t} op {j}: {x[:4]} != {expect}"
             small_done.append(time.perf_counter())
 
-    def guarded(fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:
-            errors.append(exc)
-
     comm.barrier()
     start = time.perf_counter()
-    pool = [threading.Thread(target=guarded, args=(bulk,))]
-    pool += [threading.Thread(target=guarded, args=(small, t)) for t in range(THREADS)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    if errors:
-        raise errors[0]
+    in_threads(bulk, *(functools.partial(small, t) for t in range(THREADS)))
     return {
         "spin": _spin_of(comm),
         "small": sorted(t - start for t in small_done),

@@ -262,3 +262,40 @@ def test_report_prints_where_the_time_goes() -> None:
     assert rows[1] == ["forward", "2", "0.100", "0.200", "0.000", "0.500", "50.0%", "75.0%",
                        "37.5%"]  # fmt: skip
     assert rows[2] == ["ddp", "2"] + ["-"] * 7
+
+
+def test_trace_summary_reads_waits_per_bucket_and_the_comm_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/trace_summary.py over a timeline written by asyncreduce's own Timeline: three
+    1 s steps, the first one skipped; waits per bucket and the union of overlapping allreduces."""
+    import importlib.util
+
+    from asyncreduce.trace import Timeline
+
+    spec = importlib.util.spec_from_file_location(
+        "trace_summary", Path(__file__).parents[1] / "scripts" / "trace_summary.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    timeline = Timeline(0)
+    origin = timeline._origin
+    for i in range(3):
+        at = origin + i
+        timeline.add("step", "train", at + 0.9, at + 1.0)
+        timeline.add("wait layer1", "train", at + 0.1, at + 0.15)
+        timeline.add("wait fc", "train", at + 0.2, at + 0.22)
+        timeline.add("allreduce layer1", "comm", at + 0.3, at + 0.6)  # these two overlap:
+        timeline.add("allreduce fc", "comm", at + 0.5, at + 0.7)  # 0.4 s in flight in all
+    timeline.write(tmp_path / "resnet50-forward-K2-rank0.json")
+    found = module.summary(module.events_of(tmp_path / "resnet50-forward-K2-rank0.json"), 1, 5)
+    assert found["iterations"] == 2
+    assert found["iteration_s"] == pytest.approx(1.0)
+    assert found["wait_s"] == pytest.approx(0.07)
+    assert [name for name, _ in found["longest"]] == ["layer1", "fc"]
+    assert found["longest"][0][1] == pytest.approx(0.05)
+    assert found["comm_busy"] == pytest.approx(0.4)
+    assert module.main([str(tmp_path), "--skip", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 iterations of 1.000 s" in out and "layer1 50.0" in out and "40% of the time" in out

@@ -16,6 +16,7 @@ import selectors
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
 from ..auth import (
     ANSWER_BYTES,
@@ -110,6 +111,25 @@ def _check_hello(data: bytes, world_size: int, token: bytes) -> int:
     return int(rank)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What every connection of one rank's mesh is made with, dialled or accepted."""
+
+    rank: int
+    world_size: int
+    token: bytes
+    deadline: float
+    secret: Secret | None
+    lowat: int  # see not_sent_bytes
+
+    def hello(self) -> bytes:
+        return _hello(self.rank, self.world_size, self.token)
+
+    def peer_of(self, hello: bytes) -> int:
+        """The rank a peer's HELLO claims, checked against this job."""
+        return _check_hello(hello, self.world_size, self.token)
+
+
 def connect_mesh(
     rank: int,
     world_size: int,
@@ -129,16 +149,15 @@ def connect_mesh(
     naming the ranks that never connected (and why connections were dropped, if any were).
     """
     key = resolve_secret(secret)
-    lowat = not_sent_bytes()  # read once, and refused before any connection exists
+    # ASYNCREDUCE_NOTSENT_KIB read once, and refused before any connection exists
+    job = _Job(rank, world_size, token, deadline, key, not_sent_bytes())
     host, port = listener.getsockname()[:2]
     warn_if_exposed(str(host), int(port), f"data listener of rank {rank}", key)
     socks: dict[int, socket.socket] = {}
     try:
         for peer in range(rank):
-            socks[peer] = _dial(
-                rank, world_size, peer, addresses[peer], token, deadline, key, lowat
-            )
-        _Acceptor(rank, world_size, listener, token, deadline, key, lowat).run(socks)
+            socks[peer] = _dial(job, peer, addresses[peer])
+        _Acceptor(job, listener).run(socks)
     except BaseException:
         for s in socks.values():
             s.close()
@@ -146,32 +165,22 @@ def connect_mesh(
     return socks
 
 
-def _dial(
-    rank: int,
-    world_size: int,
-    peer: int,
-    address: tuple[str, int],
-    token: bytes,
-    deadline: float,
-    secret: Secret | None,
-    lowat: int,
-) -> socket.socket:
+def _dial(job: _Job, peer: int, address: tuple[str, int]) -> socket.socket:
     """A connection to ``peer``, handshake done; retried while the peer refuses or hangs up."""
     while True:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            _tune(sock, lowat)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _tune(sock, job.lowat)
+            sock.settimeout(max(0.001, job.deadline - time.monotonic()))
             sock.connect(address)
-            hello = _handshake_out(sock, rank, world_size, peer, address, token, deadline, secret)
-            if _check_hello(hello, world_size, token) != peer:
+            if job.peer_of(_handshake_out(sock, job, peer, address)) != peer:
                 raise ConnectionError(f"{address} is not rank {peer}")
             return sock
         except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
             sock.close()
-            retry = not isinstance(exc, TimeoutError) and time.monotonic() < deadline
+            retry = not isinstance(exc, TimeoutError) and time.monotonic() < job.deadline
             if not retry:
-                why = f"rank {rank} could not connect to rank {peer} at {address}"
+                why = f"rank {job.rank} could not connect to rank {peer} at {address}"
                 raise TimeoutError(why) from exc
             time.sleep(0.05)
         except BaseException:
@@ -179,33 +188,25 @@ def _dial(
             raise
 
 
-def _handshake_out(
-    sock: socket.socket,
-    rank: int,
-    world_size: int,
-    peer: int,
-    address: tuple[str, int],
-    token: bytes,
-    deadline: float,
-    secret: Secret | None,
-) -> bytes:
+def _handshake_out(sock: socket.socket, job: _Job, peer: int, address: tuple[str, int]) -> bytes:
     """The dialer's side of the handshake; returns the acceptor's HELLO, not yet checked."""
-    who = f"rank {peer} at {address[0]}:{address[1]}"
-    if secret is None:
-        sock.sendall(_hello(rank, world_size, token))
+    who, me = f"rank {peer} at {address[0]}:{address[1]}", f"rank {job.rank}"
+    deadline = job.deadline
+    if job.secret is None:
+        sock.sendall(job.hello())
         reply = recv_exact(sock, HELLO.size, deadline, who)
         if reply.startswith(_AUTH_GREETING):
-            raise needs_secret(who, f"rank {rank}")
+            raise needs_secret(who, me)
         return reply
     sock.sendall(_AUTH_GREETING)
     greeting = recv_exact(sock, len(_AUTH_GREETING), deadline, who)
     if greeting == _NO_AUTH:
-        raise unexpected_secret(who, f"rank {rank}")
+        raise unexpected_secret(who, me)
     if greeting != _AUTH_GREETING:
         raise ConnectionError(f"{who} is not an asyncreduce peer (it answered {greeting!r})")
-    handshake = ClientHandshake(secret, _CONTEXT)
+    handshake = ClientHandshake(job.secret, _CONTEXT)
     answer = handshake.answer(recv_exact(sock, NONCE_BYTES, deadline, who))
-    sock.sendall(answer + _hello(rank, world_size, token))
+    sock.sendall(answer + job.hello())
     handshake.check(recv_exact(sock, PROOF_BYTES, deadline, who), who)
     return recv_exact(sock, HELLO.size, deadline, who)
 
@@ -225,24 +226,11 @@ class _Incoming:
 class _Acceptor:
     """The accepting half of connect_mesh: every handshake at once, each under its deadline."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        listener: socket.socket,
-        token: bytes,
-        deadline: float,
-        secret: Secret | None,
-        lowat: int,
-    ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.lowat = lowat
-        self.token = token
-        self.deadline = deadline
-        self.secret = secret
-        self.expected = set(range(rank + 1, world_size))
-        self.rejections = RejectionLog(log, f"rank {rank}")
+    def __init__(self, job: _Job, listener: socket.socket) -> None:
+        self.job = job
+        self.deadline = job.deadline
+        self.expected = set(range(job.rank + 1, job.world_size))
+        self.rejections = RejectionLog(log, f"rank {job.rank}")
         self.selector = selectors.DefaultSelector()
         self.listener: Listener[_Incoming] | None = None
         if self.expected:
@@ -272,7 +260,7 @@ class _Acceptor:
             missing = ", ".join(map(str, sorted(self.expected)))
             summary = self.rejections.summary()
             raise TimeoutError(
-                f"rank {self.rank}: ranks {missing} never connected"
+                f"rank {self.job.rank}: ranks {missing} never connected"
                 + (f"; this rank {summary}, see the warnings" if summary else "")
             )
         return listener.timeout(self.deadline)
@@ -317,7 +305,7 @@ class _Acceptor:
                 self._welcome(incoming, data[ANSWER_BYTES:], proof, socks)
             return
         verdict, reply, incoming.auth = answer_greeting(
-            _GREETINGS, data == _AUTH_GREETING, self.secret
+            _GREETINGS, data == _AUTH_GREETING, self.job.secret
         )
         if verdict == ADMIT:  # no secret on either side: ``data`` is the HELLO
             self._welcome(incoming, data, b"", socks)
@@ -331,20 +319,20 @@ class _Acceptor:
     ) -> None:
         """Keep the connection if its HELLO names a rank we wait for; answer with ours."""
         try:
-            peer = _check_hello(hello, self.world_size, self.token)
+            peer = self.job.peer_of(hello)
         except ConnectionError as exc:
             self._reject(incoming, "protocol error", str(exc))
             return
         if peer not in self.expected:
             self._reject(incoming, "unexpected rank", f"rank {peer} is not awaited here")
             return
-        if not self._send(incoming, proof + _hello(self.rank, self.world_size, self.token)):
+        if not self._send(incoming, proof + self.job.hello()):
             return
         assert self.listener is not None
         self.listener.finished(incoming)
         self.selector.unregister(incoming.sock)
         incoming.sock.setblocking(True)
-        _tune(incoming.sock, self.lowat)  # as the dialer's side: without TCP_NODELAY, 40 ms stalls
+        _tune(incoming.sock, self.job.lowat)  # as dialled ones: without TCP_NODELAY, 40 ms stalls
         self.expected.discard(peer)
         socks[peer] = incoming.sock
 

@@ -80,6 +80,22 @@ def test_any_cut_of_the_stream_gives_back_the_same_frames(
     assert reader.between_frames()
 
 
+def test_a_small_frame_received_whole_is_taken_where_it_lies() -> None:
+    """The view path: a payload that arrived with its header in one receive is offered as a
+    view of the staging buffer itself (no copy, no buffer of its own), and skipped after."""
+    reader = FrameReader(1024)
+    data = stream([(b"a", b"payload-one"), (b"b", b"two")])
+    got = read_all(reader, data, [len(data)], take_views=True)
+    assert got == [(b"a", 0, b"payload-one", "view"), (b"b", 1, b"two", "view")]
+    reader.room()[: len(data)] = data
+    reader.received(len(data))
+    header = reader.next_header()
+    assert header is not None
+    view = reader.staged_payload(header.payload_len)
+    assert view is not None and view.obj is reader.room().obj  # the staging buffer itself
+    assert read_all(FrameReader(1024), data, [len(data)], take_views=False)[0][3] == "landed"
+
+
 def test_a_payload_lands_in_the_buffer_given_and_the_rest_is_received_into_it() -> None:
     reader = FrameReader(1024)
     payload = bytes(range(256)) * 16

@@ -340,7 +340,8 @@ def test_frames_held_back_for_a_rank_that_says_goodbye_are_let_go(seed: int) -> 
     wire.run()
     assert outcome(wire.ranks[0].requests["b"]) is None  # the root needs nothing from rank 1
     assert outcome(wire.ranks[0].requests["x"]) is None
-    wire.tick(100.0)  # a departed rank is not silent
+    wire.tick(100.0)  # long past the peer timeout: a departed rank is not silent
+    assert 1 not in wire.ranks[0].session.liveness.silent(wire.ranks[0].now)
     assert not isinstance(wire.ranks[0].session.broken, TimeoutError)
 
 

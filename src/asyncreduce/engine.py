@@ -280,7 +280,7 @@ class Engine(FrameSink):
 
     def on_sent(self, token: object) -> None:
         if isinstance(token, Operation):
-            self.session.sent(token)
+            self.session.sent(token, time.monotonic() if token.unsent == 1 else None)
             if self.session.commands:
                 self._apply()
 

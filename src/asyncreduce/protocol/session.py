@@ -185,10 +185,13 @@ class Session:
             self.matching.spares.give(payload)
             self._maybe_complete(op)
 
-    def sent(self, token: object) -> None:
-        """The frame sent with ``token`` has left this process (no clock read per frame: the
-        spin window, if this ends a small operation, counts from the event that sent it)."""
+    def sent(self, token: object, now: float | None = None) -> None:
+        """The frame sent with ``token`` has left this process. ``now`` is needed only for an
+        operation's last frame (it may end the operation and start the spin window), so the
+        engine reads the clock for that one alone, not for every frame."""
         if isinstance(token, Operation):
+            if now is not None:
+                self._now = now
             token.unsent -= 1
             self._maybe_complete(token)
 

@@ -146,8 +146,11 @@ def test_a_vanished_peer_is_reported_once(kind: str) -> None:
     for _ in range(10):
         tb.poll(0.001)
     assert len(sb.lost) == 1 and sb.lost[0][0] == 0
-    with pytest.raises(KeyError):
-        tb.send(0, *frame(b"y", b""), 0, None)
+    token = object()
+    tb.send(0, *frame(b"y", b"z"), 0, token)  # to the vanished peer: dropped, reported sent
+    assert sb.sent[-1] is token and len(sb.lost) == 1
+    with pytest.raises(KeyError, match="never connected"):
+        tb.send(7, *frame(b"y", b""), 0, None)
     tb.close()
 
 

@@ -220,12 +220,7 @@ class Engine(FrameSink):
         transport = self.transport
         if what == SEND:
             _, peer, head, payload, priority, token, age = command
-            try:
-                transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
-            except KeyError:
-                if token is not None and self.session.broken is None:
-                    raise
-                # a peer gone already: a control frame, or data of an operation that failed
+            transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
         elif what == FINISH:
             _, op, value, error = command
             assert isinstance(op, Operation)

@@ -53,7 +53,9 @@ class Transport(ABC):
         age: int = 0,
     ) -> None:
         """Queue one frame (``head`` = header and name bytes) for ``peer``; never blocks.
-        Frames leave by priority (highest first), then age (lowest first), then in order."""
+        Frames leave by priority (highest first), then age (lowest first), then in order. To
+        a peer whose connection is gone the frame is dropped and reported sent at once, like
+        the frames queued when it went; KeyError for a rank that was never connected."""
 
     @abstractmethod
     def poll(self, timeout: float | None) -> None:

@@ -71,6 +71,7 @@ class TcpTransport(Transport):
         self._peers: dict[int, Connection] = {}
         self._leaving = False  # we said goodbye: peers' EOFs are expected
         self._gone: list[Connection] = []
+        self._lost: set[int] = set()  # ranks whose connection is gone (sends to them: dropped)
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = Connection(peer_rank, sock, (arenas or {}).get(peer_rank))
@@ -90,7 +91,10 @@ class TcpTransport(Transport):
     ) -> None:
         target = self._peers.get(peer)
         if target is None:
-            raise KeyError(f"rank {peer} is not connected")
+            if peer not in self._lost:
+                raise KeyError(f"rank {peer} was never connected")
+            self.sink.on_sent(token)  # it will never leave: reported as _lose reports its rest
+            return
         idle = not target.queue and not target.inflight and not target.writing
         if idle and (target.arena_out is None or payload.nbytes < SHM_MIN_BYTES):
             self._send_now(target, head, payload, token, (-priority, age, 0))
@@ -396,6 +400,7 @@ class TcpTransport(Transport):
         self._selector.unregister(peer.sock)
         peer.sock.close()
         self._gone.append(peer)  # its arenas are unmapped at close(), never mid-frame
+        self._lost.add(peer.rank)
         unsent = list(peer.inflight) + peer.queue
         peer.queue, peer.inflight = [], deque()
         return unsent

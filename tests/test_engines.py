@@ -417,3 +417,23 @@ def test_small_allreduces_agreed_together_are_fused(backend: str) -> None:
     for calls, right in results.values():
         assert right and calls < 32, results
     assert results[0] == results[1], "the ranks issued different engine calls"
+
+
+def body_refused_on_one_rank(comm: ar.Communicator) -> tuple[str, float]:
+    """Rank 0 posts an unnamed allreduce this engine cannot run (a priority past 64 bits);
+    it is refused before it takes a key, so the next unnamed allreduce still pairs up."""
+    message = ""
+    if comm.rank == 0:
+        with pytest.raises(ar.UsageError) as refused:
+            comm.allreduce(np.ones(4), priority=1 << 63)
+        message = str(refused.value)
+    x = np.full(4, float(comm.rank + 1))
+    comm.allreduce(x, timeout=20)
+    return message, float(x[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_refused_on_one_rank_leaves_the_keys_in_step(backend: str) -> None:
+    results = run_ranks(2, body_refused_on_one_rank, backend=backend, timeout=90)
+    assert "priority must fit in 64 bits" in results[0][0], results
+    assert results[0][1] == results[1][1] == 3.0, results

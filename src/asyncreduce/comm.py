@@ -1,7 +1,8 @@
 """The public communicator: non-blocking collectives that any thread may post.
 
-Theory of operation. A call checks its arguments in the calling thread (a bad call raises
-``UsageError`` before anything is sent, so ranks stay in step), gives the operation its key
+Theory of operation. A call checks its arguments in the calling thread, and asks the backend
+whether it can run them (a bad call raises ``UsageError`` before anything is numbered or sent,
+so ranks stay in step), gives the operation its key
 (keys.py: the ``name`` plus how many times this rank posted it before; named operations may
 be posted in any order on each rank, unnamed ones, as in MPI, in the same order everywhere),
 makes its ``Request`` and hands a ``Plan`` of it to the backend (backends/): our own engine,
@@ -443,6 +444,9 @@ class Communicator(BlockingCalls):
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
         self._check_process(kind)
+        refused = self._backend.refusal(plan, priority)
+        if refused is not None:
+            raise UsageError(refused)
         key = self._keys.next(name if key_name is None else key_name)
         label = f"{kind} {name or key_name!r}#{key[1]}" if name or key_name else f"{kind} #{key[1]}"
         request: Request[Any] = Request(label, self._runner)

@@ -50,12 +50,15 @@ class Backend(Protocol):
     def ordered(self) -> OrderedEngine | None:
         """The ordered engine, where this backend is one (diagnostics, torch staging)."""
 
+    def refusal(self, plan: Plan, priority: int) -> str | None:
+        """Why this backend cannot run ``plan`` (the caller gets a UsageError), or None. Asked
+        before the operation takes a key, so a refused post leaves the ranks' counters alike."""
+
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         request: Request[Any],
     ) -> None:  # fmt: skip
-        """Start ``plan`` as operation ``key``; ``request`` gets its result or error.
-        UsageError for what this backend cannot run (before anything starts)."""
+        """Start ``plan`` as operation ``key``; ``request`` gets its result or error."""
 
     def group(self, members: tuple[int, ...]) -> Backend:
         """The backend of a group of ``members`` (ranks of this backend's communicator)."""
@@ -105,6 +108,9 @@ class EngineBackend:
     """The part of a backend that only passes calls on to its engine's thread."""
 
     _runs: _Runs
+
+    def refusal(self, plan: Plan, priority: int) -> str | None:
+        return None  # our own engine runs every plan the communicator builds
 
     def close(self) -> None:
         self._runs.close()

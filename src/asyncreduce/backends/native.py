@@ -95,6 +95,9 @@ class LocalBackend:
     def __init__(self) -> None:
         self.planes = SharedPlanes(False, None)
 
+    def refusal(self, plan: Plan, priority: int) -> str | None:
+        return None
+
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         request: Request[Any],

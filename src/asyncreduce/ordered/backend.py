@@ -3,8 +3,9 @@
 Theory of operation. An engine that needs one order of collectives on every rank (MPI,
 torch.distributed) runs our key-matched operations once every rank posted them (engine.py,
 agreement.py). What the communicator hands over is checked against what the engine's adapter
-takes (its dtypes and reductions, the largest tag, a priority of 64 bits) before anything is
-sent, so a call it cannot run raises UsageError in the caller's thread on every rank alike.
+takes (its dtypes and reductions, the largest tag, a priority of 64 bits: ``refusal``) before
+the operation is numbered, so a call it cannot run raises UsageError in the caller's thread on
+every rank alike, and a rank that refused one keeps its keys in step with those that did not.
 The operation then goes to the engine's thread as the caller's memory itself (a flat array, or
 a CUDA tensor where the adapter takes them as they are: ``devices``); no algorithm is built
 here, the engine's own runs. Groups are not offered (make the sub-communicator in the engine).
@@ -42,6 +43,17 @@ class OrderedBackend(EngineBackend):
         self._refuses = getattr(adapter, "refuses", None)
         self._max_tag: int | None = getattr(adapter, "max_tag", None)
 
+    def refusal(self, plan: Plan, priority: int) -> str | None:
+        why = self._refuses(plan.kind, plan.buf.dtype, plan.op) if self._refuses else None
+        if why is not None:
+            return f"{plan.kind}: {why}"
+        most = self._max_tag
+        if plan.tag is not None and most is not None and plan.tag > most:
+            return f"tag={plan.tag} is above what this engine takes ({most})"
+        if not -(1 << 63) <= priority < 1 << 63:
+            return f"priority must fit in 64 bits, got {priority}"
+        return None
+
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         request: Request[Any],
@@ -49,14 +61,6 @@ class OrderedBackend(EngineBackend):
         """Hand ``plan`` to the engine: it runs there as an engine call once every rank
         posted it."""
         buf = plan.buf
-        why = self._refuses(plan.kind, buf.dtype, plan.op) if self._refuses is not None else None
-        if why is not None:
-            raise UsageError(f"{label}: {why}")
-        most = self._max_tag
-        if plan.tag is not None and most is not None and plan.tag > most:
-            raise UsageError(f"tag={plan.tag} is above what this engine takes ({most})")
-        if not -(1 << 63) <= priority < 1 << 63:
-            raise UsageError(f"priority must fit in 64 bits, got {priority}")
         code = buf.dtype.code + (ON_DEVICE if not isinstance(buf.flat, np.ndarray) else 0)
         desc = plan.descriptor(plan.root, code)
         log_post(self.rank, label, desc)

@@ -10,8 +10,8 @@ nanoseconds (``thread_time``, ``process_time`` and ``/proc/.../schedstat`` read 
 counter), so the difference "other" is not the noise of 10 ms ticks; ``/proc/.../stat``'s ticks
 are the fallback where schedstat is missing. The link's bytes are the interface counters under
 ``/sys/class/net`` of every interface but ``lo``: inside an emulated host (``ip netns exec``
-mounts that namespace's ``/sys``) that is the host's one link. This module imports nothing
-beyond the standard library, so the tests can call it without a cluster.
+mounts that namespace's ``/sys``) that is the host's one link. This module needs no cluster
+(the tests call it directly); of asyncreduce it takes only the progress thread's name.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from asyncreduce.engine import THREAD_PREFIX
 
 __all__ = [
     "ENGINE_PREFIX",
@@ -35,7 +37,7 @@ __all__ = [
     "window",
 ]
 
-ENGINE_PREFIX = "asyncreduce-engine-"  # asyncreduce.engine names its progress thread so
+ENGINE_PREFIX = THREAD_PREFIX  # asyncreduce.engine names its progress thread so
 NET = Path("/sys/class/net")
 USAGE_FIELDS = (  # what ``window`` returns, in this order
     "train_cpu_s",
@@ -58,7 +60,7 @@ def thread_cpu_s(native_id: int) -> float:
     try:
         return int((task / "schedstat").read_text().split()[0]) / 1e9
     except (OSError, ValueError, IndexError):
-        return thread_ticks_s(native_id) if task.exists() else 0.0
+        return thread_ticks_s(native_id)  # (0.0 too once the thread has exited)
 
 
 def thread_ticks_s(native_id: int) -> float:

@@ -37,7 +37,7 @@ def summary(events: list[Event], skip: int, top: int) -> dict[str, Any] | None:
     """Per-iteration waits (total, longest buckets) and the comm track's busy share, over the
     window from the end of the ``skip``-th step to the end of the last one; None if too short."""
     steps = sorted(end for name, track, _, end in events if name == "step" and track == "train")
-    if len(steps) <= skip or (skip == 0 and not steps):
+    if len(steps) <= skip or not steps:
         return None
     start = steps[skip - 1] if skip else min(s for _, _, s, _ in events)
     end, iterations = steps[-1], len(steps) - skip

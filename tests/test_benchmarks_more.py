@@ -149,7 +149,6 @@ def test_concurrency_rounds_option() -> None:
     names = ["sequential", "threads", "requests", "window-sequential"]
     orders = [_concurrency().round_order(names, index) for index in range(5)]
     assert all(sorted(order) == sorted(names) for order in orders)
-    assert orders == [_concurrency().round_order(names, index) for index in range(5)]
     assert len({tuple(order) for order in orders}) > 1  # shuffled, not one fixed order
 
 

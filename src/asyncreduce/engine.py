@@ -33,10 +33,11 @@ from .protocol.wire import describe
 from .transport.base import FrameSink, Transport
 from .transport.frame import MAX_ERROR_BYTES, Header
 
-__all__ = ["Engine"]
+__all__ = ["THREAD_PREFIX", "Engine"]
 
 log = logging.getLogger("asyncreduce.engine")
 
+THREAD_PREFIX = "asyncreduce-engine-"  # + the rank: the progress thread's name
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 
@@ -65,7 +66,7 @@ class Engine(FrameSink):
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
         self._thread = threading.Thread(
-            target=self._run, name=f"asyncreduce-engine-{rank}", daemon=True
+            target=self._run, name=f"{THREAD_PREFIX}{rank}", daemon=True
         )
         self._thread.start()
 

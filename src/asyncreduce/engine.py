@@ -205,12 +205,11 @@ class Engine(FrameSink):
             while i < len(commands):
                 command = commands[i]
                 i += 1
-                if not each_alone:
-                    self._carry_out(command)
-                    continue
                 try:
                     self._carry_out(command)
                 except Exception:
+                    if not each_alone:
+                        raise
                     log.exception("rank %d could not carry out %r", self.rank, command[:2])
         finally:
             del commands[:i]

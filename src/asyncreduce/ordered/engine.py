@@ -40,11 +40,11 @@ from ..protocol import Settings, broken_by, describe
 from .agreement import Agreed, Agreement, Entry
 from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel
 from .failure import break_error, break_message, read_break, run_on_scratch
-from .fusion import FUSION_BYTES, Call, complete, fuse, fusion_bytes_from_env, pack
+from .fusion import Call, complete, fuse, fusion_bytes_from_env, pack
 from .liveness import Liveness
-from .posted import Adapter, Posted, Running
+from .posted import Adapter, Posted
 
-__all__ = ["OrderedEngine", "Posted", "Adapter", "Running", "FUSION_BYTES"]
+__all__ = ["OrderedEngine"]
 
 log = logging.getLogger("asyncreduce.ordered")
 _POLL, _POLL_MAX = 50e-6, 500e-6  # seconds between polls past the spin: doubling while

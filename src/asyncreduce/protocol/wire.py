@@ -61,6 +61,7 @@ ANSWERS = {PENDING: "pending", NOT_POSTED: "not posted", DONE: "done", FAILED: "
 #: ERROR's ``seg``: the class the operation fails with on the receiver too.
 ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 ERROR_CODES = {cls: code for code, cls in ERROR_CLASSES.items()}
+BROKE = ERROR_CODES[BrokenError]  # also: a rank that broke, not one operation that failed
 
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
 _DTYPE_NAMES = {code: dtype.name for code, dtype in DTYPE_BY_CODE.items()}
@@ -134,7 +135,7 @@ def encode(message: Control) -> tuple[bytes, bytes]:
     (name, instance), desc = message.key, message.desc
     if isinstance(message, Failed):
         reason = _reason_bytes(message.reason)
-        code = ERROR_CODES.get(message.error, 3)
+        code = ERROR_CODES.get(message.error, BROKE)
         return pack_header(ERROR, name, instance, 0, code, len(reason), desc), reason
     seg = POSTED if isinstance(message, Posted) else ASK if isinstance(message, Ask) else 0
     if isinstance(message, Answer):

@@ -3,12 +3,14 @@
 Issue 15 asks why a 4 KiB allreduce costs tens of microseconds here when Open MPI's costs a
 few. This benchmark takes one apart, on one host over TCP, each part measured on its own:
 
-* **floor**: two Python processes exchanging the payload over a loopback TCP connection, with
-  nothing else: busy-polling non-blocking reads, and blocking reads (each one a wake-up). No
+* **floor**: two Python processes sending the payload back and forth over a loopback TCP
+  connection, nothing else: busy-polling non-blocking reads, and blocking reads (each one a
+  wake-up). No
   engine written in Python on TCP can be faster than the first.
 * **protocol**: our protocol alone, in one thread: two ``Session`` objects post the allreduce,
   hand each other their frames (packed and parsed headers) and complete it. No socket, no
-  thread: the CPU the protocol itself costs per rank per operation.
+  thread: the CPU the protocol itself costs per rank per operation (the operations are built
+  before the clock starts: that is the call's part).
 * **call**: the posting thread's part, ``iallreduce`` up to the engine's queue (the engine's
   ``submit`` replaced by one that completes the request at once, after the real runs).
 * **whole**: ``allreduce`` in a loop on N real ranks (``asyncreduce run``): the latency, and the
@@ -35,42 +37,54 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
+import harness  # noqa: E402
+
 _ROUNDS = 2000  # operations per measurement
+_WARMUP = 200
+_MARK = "SMALL_OPS "  # prefixes the one line a rank of ``whole`` reports
 
 
 def floor_us(nbytes: int, busy: bool) -> float:
-    """Microseconds per exchange of ``nbytes`` each way between two processes over TCP."""
+    """Microseconds per round trip of ``nbytes`` each way between two processes over TCP:
+    this process sends and then receives, the other receives and then sends back."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     pid = os.fork()
-    if pid == 0:  # the peer: echo back, forever until the parent closes
+    if pid == 0:  # the peer: answer every message, as many as the parent sends
         server.close()
         peer = socket.create_connection(("127.0.0.1", port))
-        _exchanges(peer, nbytes, busy, _ROUNDS + 200)
+        _round_trips(peer, nbytes, busy, _WARMUP + _ROUNDS, answer=True)
         os._exit(0)
     conn, _ = server.accept()
     server.close()
-    _exchanges(conn, nbytes, busy, 200)
+    _round_trips(conn, nbytes, busy, _WARMUP, answer=False)
     start = time.perf_counter()
-    _exchanges(conn, nbytes, busy, _ROUNDS)
+    _round_trips(conn, nbytes, busy, _ROUNDS, answer=False)
     elapsed = time.perf_counter() - start
     conn.close()
     os.waitpid(pid, 0)
     return elapsed / _ROUNDS * 1e6
 
 
-def _exchanges(sock: socket.socket, nbytes: int, busy: bool, count: int) -> None:
+def _round_trips(sock: socket.socket, nbytes: int, busy: bool, count: int, answer: bool) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setblocking(not busy)
     out, into = memoryview(bytes(nbytes)), memoryview(bytearray(nbytes))
     for _ in range(count):
-        sock.sendall(out) if not busy else _send_all(sock, out)
+        if not answer:
+            _send_all(sock, out)
         got = 0
         while got < nbytes:
             try:
-                got += sock.recv_into(into[got:])
+                n = sock.recv_into(into[got:])
             except BlockingIOError:
                 continue
+            if n == 0:
+                raise ConnectionError("the peer of the TCP floor closed early")
+            got += n
+        if answer:
+            _send_all(sock, out)
 
 
 def _send_all(sock: socket.socket, data: memoryview) -> None:
@@ -83,7 +97,8 @@ def _send_all(sock: socket.socket, data: memoryview) -> None:
 
 
 def protocol_us(nbytes: int, world: int = 2) -> float:
-    """CPU microseconds per rank per allreduce of our protocol alone (see the docstring)."""
+    """CPU microseconds per rank per allreduce of our protocol alone (see the docstring): the
+    operations are built before the clock starts (that is the posting call's part)."""
     from asyncreduce.algorithms import build
     from asyncreduce.buffers import as_buffer
     from asyncreduce.flight import FlightRecorder
@@ -101,6 +116,14 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
     ]
     buffers = [as_buffer(np.ones(nbytes // 4, np.float32), "x") for _ in range(world)]
 
+    def operation(r: int, i: int) -> Operation:
+        buf = buffers[r]  # reduced with max: the values stay 1.0 however often
+        plan = Plan("allreduce", buf, lambda: None, "max", 0)
+        algo = build("allreduce", r, world, buf.flat, buf.dtype, "max", 0)
+        request: Request[Any] = Request(f"allreduce #{i}", runner)
+        return Operation((b"", i), "allreduce", plan.descriptor(0, buf.dtype.code), algo,
+                         request, plan.result)  # fmt: skip
+
     def deliver(src: int, command: tuple[Any, ...]) -> None:
         _, dst, head, payload, _, token, _ = command
         name_len, header = parse_header(memoryview(head)[: HEADER.size])
@@ -112,15 +135,8 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
             peer.on_frame(src, header, target, now)
         sessions[src].sent(token)
 
-    def one(i: int) -> None:
-        for r, session in enumerate(sessions):
-            buf = buffers[r]
-            buf.flat[:] = 1.0
-            plan = Plan("allreduce", buf, lambda: None, "sum", 0)
-            algo = build("allreduce", r, world, buf.flat, buf.dtype, "sum", 0)
-            request: Request[Any] = Request(f"allreduce #{i}", runner)
-            op = Operation((b"", i), "allreduce", plan.descriptor(0, buf.dtype.code), algo,
-                           request, plan.result)  # fmt: skip
+    def one(ops: list[Operation]) -> None:
+        for session, op in zip(sessions, ops, strict=True):
             session.post(op, time.monotonic())
         moved = True
         while moved:
@@ -133,111 +149,115 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
                     elif command[0] == FINISH:
                         command[1].request.set_result(command[2])
 
-    for i in range(200):
-        one(i)
+    rounds = [[operation(r, i) for r in range(world)] for i in range(_WARMUP + _ROUNDS)]
+    for ops in rounds[:_WARMUP]:
+        one(ops)
     start = time.process_time()
-    for i in range(200, 200 + _ROUNDS):
-        one(i)
+    for ops in rounds[_WARMUP:]:
+        one(ops)
+    elapsed = time.process_time() - start
     runner.close()
-    return (time.process_time() - start) / _ROUNDS / world * 1e6
+    return elapsed / _ROUNDS / world * 1e6
 
 
-def whole(nbytes: int, nprocs: int, spin: str | None) -> dict[str, float]:
-    """Latency, CPU per rank per operation and the posting call, from N real ranks."""
+def whole(nbytes: int, nprocs: int, spin: str | None, call: bool) -> dict[str, float]:
+    """Latency and CPU per rank per operation from N real ranks under ``asyncreduce run``;
+    with ``call``, also the posting call alone (rank 0, afterwards)."""
     env = dict(os.environ)
     if spin is not None:
         env["ASYNCREDUCE_SPIN_US"] = spin
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncreduce", "run", "-n", str(nprocs), __file__,
-         "--rank", str(nbytes)],
-        env=env, capture_output=True, text=True, timeout=300, check=True,
-    ).stdout  # fmt: skip
-    line = next(x for x in out.splitlines() if '"latency_us"' in x)
-    return dict(json.loads(line[line.index("{") :]))
+    command = [sys.executable, "-m", "asyncreduce", "run", "-n", str(nprocs), __file__,
+               "--rank", str(nbytes)] + (["--call"] if call else [])  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in done.stdout.splitlines() if _MARK in x]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}")
+    return dict(json.loads(lines[0].split(_MARK, 1)[1]))
 
 
-def rank_main(nbytes: int) -> None:
-    """One rank of ``whole``: allreduce in a loop, then (rank 0) the posting call alone."""
+def rank_main(nbytes: int, call: bool) -> None:
+    """One rank of ``whole``: allreduce in a loop, then (rank 0, with ``call``) the posting
+    call alone, with the engine's ``submit`` replaced by one that completes at once."""
     import asyncreduce as ar
 
     with ar.init(timeout=120) as comm:
         x = np.ones(nbytes // 4, np.float32)
-        for _ in range(300):
-            comm.allreduce(x)
+        for _ in range(_WARMUP):
+            comm.allreduce(x, "max")
         cpu, start = time.process_time(), time.perf_counter()
         for _ in range(_ROUNDS):
-            comm.allreduce(x)
+            comm.allreduce(x, "max")
         latency = (time.perf_counter() - start) / _ROUNDS * 1e6
-        cpu = (time.process_time() - cpu) / _ROUNDS * 1e6
-        result = {"latency_us": latency, "cpu_us": cpu}
+        result = {"latency_us": latency, "cpu_us": (time.process_time() - cpu) / _ROUNDS * 1e6}
         comm.barrier()
-        if comm.rank == 0:
+        if comm.rank != 0:
+            time.sleep(0.5)  # rank 0 may still time the call; its engine is not told we left
+            os._exit(0)
+        if call:
             engine = comm._backend.engine
             assert engine is not None
             engine.submit = lambda op: op.request.set_result(None)  # type: ignore[method-assign]
             start = time.perf_counter()
             for _ in range(_ROUNDS):
-                comm.iallreduce(x, name="call")
+                comm.iallreduce(x, "max", name="call")
             result["call_us"] = (time.perf_counter() - start) / _ROUNDS * 1e6
-            print(json.dumps(result), flush=True)
-            os._exit(0)  # the engine no longer runs what is posted: do not close in order
-        time.sleep(0.5)
-        os._exit(0)
+        print(_MARK + json.dumps(result), flush=True)
+        os._exit(0)  # the engine no longer runs what is posted: do not close in order
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncreduce bench small_ops", description=__doc__
                                      .splitlines()[0])  # fmt: skip
-    parser.add_argument("--size", default="4K", help="payload (bytes, K or M suffix)")
-    parser.add_argument("--nprocs", default="2,4", help="world sizes for the whole allreduce")
+    parser.add_argument("--size", type=harness.parse_size, default=4096,
+                        help="payload (bytes, or 4K, 64K, ...; default 4K)")  # fmt: skip
+    parser.add_argument("--nprocs", type=harness.nprocs_list, default=[2, 4],
+                        help="world sizes for the whole allreduce (default 2,4)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="runs per part (median)")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a worker: nbytes
+    parser.add_argument("--call", action="store_true", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.rank is not None:
-        rank_main(args.rank)
+        rank_main(args.rank, args.call)
         return 0
-    nbytes = _bytes(args.size)
+    began, nbytes = time.perf_counter(), args.size
+    machine = {**harness.machine_info(), "library": harness.library_state()}
     rows: list[tuple[str, str, float]] = []  # (key, label, microseconds)
 
     def median(fn: Any, *a: Any) -> float:
         return statistics.median(fn(*a) for _ in range(args.repeats))
 
-    rows.append(("floor_busy", "floor: Python TCP exchange, busy-polling",
+    rows.append(("floor_busy", "floor: Python TCP round trip, busy-polling",
                  median(floor_us, nbytes, True)))  # fmt: skip
-    rows.append(("floor_blocking", "floor: Python TCP exchange, blocking reads",
+    rows.append(("floor_blocking", "floor: Python TCP round trip, blocking reads",
                  median(floor_us, nbytes, False)))  # fmt: skip
     rows.append(("protocol_cpu", "protocol alone, CPU per rank (2 Sessions, 1 thread)",
                  median(protocol_us, nbytes)))  # fmt: skip
-    for n in [int(v) for v in args.nprocs.split(",")]:
+    for n in args.nprocs:
         paths = ((None, "spin", "busy-polling"), ("0", "sleep", "sleeping, SPIN_US=0"))
         for spin, tag, what in paths:
-            runs = [whole(nbytes, n, spin) for _ in range(args.repeats)]
+            call = n == args.nprocs[0] and spin is None  # the call once: it has no peers
+            runs = [whole(nbytes, n, spin, call) for _ in range(args.repeats)]
             for key, label in (("latency_us", "latency"), ("cpu_us", "CPU per rank")):
                 rows.append((f"n{n}_{tag}_{key[:-3]}", f"whole allreduce N={n}, {what}: {label}",
                              statistics.median(r[key] for r in runs)))  # fmt: skip
-            if spin is None and not any(k == "call" for k, _, _ in rows):
+            if call:
                 rows.append(("call", "posting call (iallreduce up to the engine's queue)",
                              statistics.median(r["call_us"] for r in runs)))  # fmt: skip
-    print(f"where a {args.size} float32 allreduce's time goes (one host, loopback TCP; "
-          f"median of {args.repeats}; {os.cpu_count()} cores)")  # fmt: skip
+    print(harness.machine_line(machine))
+    print(f"where a {harness.format_size(nbytes)} float32 allreduce's time goes (one host, "
+          f"loopback TCP; median of {args.repeats})")  # fmt: skip
     width = max(len(label) for _, label, _ in rows)
     print(f"{'part':<{width}}  {'us':>8}")
     for _, label, value in rows:
         print(f"{label:<{width}}  {value:8.1f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        us = {key: value for key, _, value in rows}
-        document = {"benchmark": "small_ops", "bytes": nbytes, "repeats": args.repeats,
-                    "cores": os.cpu_count(), "us": us}  # fmt: skip
-        args.json.write_text(json.dumps(document, indent=1) + "\n")
+        document = harness.json_head("small_ops", argv, time.perf_counter() - began, machine)
+        document.update(bytes=nbytes, repeats=args.repeats,
+                        us={key: value for key, _, value in rows})  # fmt: skip
+        harness.save_json(args.json, document)
     return 0
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    scale = units.get(text[-1:].upper(), 1)
-    return int(text[:-1] if scale > 1 else text) * scale
 
 
 if __name__ == "__main__":

@@ -33,12 +33,14 @@ from ..auth import (
     warn_if_exposed,
 )
 from ..envvars import env_number
+from ..errors import ranks_phrase
 from .listener import (
     ADMIT,
     CHALLENGE,
     Greetings,
     Listener,
     answer_greeting,
+    host_port,
     needs_secret,
     recv_exact,
     refusal_detail,
@@ -174,13 +176,13 @@ def _dial(job: _Job, peer: int, address: tuple[str, int]) -> socket.socket:
             sock.settimeout(max(0.001, job.deadline - time.monotonic()))
             sock.connect(address)
             if job.peer_of(_handshake_out(sock, job, peer, address)) != peer:
-                raise ConnectionError(f"{address} is not rank {peer}")
+                raise ConnectionError(f"{host_port(*address)} is not rank {peer}")
             return sock
         except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
             sock.close()
             retry = not isinstance(exc, TimeoutError) and time.monotonic() < job.deadline
             if not retry:
-                why = f"rank {job.rank} could not connect to rank {peer} at {address}"
+                why = f"rank {job.rank} could not connect to rank {peer} at {host_port(*address)}"
                 raise TimeoutError(why) from exc
             time.sleep(0.05)
         except BaseException:
@@ -190,7 +192,7 @@ def _dial(job: _Job, peer: int, address: tuple[str, int]) -> socket.socket:
 
 def _handshake_out(sock: socket.socket, job: _Job, peer: int, address: tuple[str, int]) -> bytes:
     """The dialer's side of the handshake; returns the acceptor's HELLO, not yet checked."""
-    who, me = f"rank {peer} at {address[0]}:{address[1]}", f"rank {job.rank}"
+    who, me = f"rank {peer} at {host_port(*address)}", f"rank {job.rank}"
     deadline = job.deadline
     if job.secret is None:
         sock.sendall(job.hello())
@@ -257,10 +259,9 @@ class _Acceptor:
 
     def _next_timeout(self, listener: Listener[_Incoming]) -> float | None:
         if time.monotonic() >= self.deadline:
-            missing = ", ".join(map(str, sorted(self.expected)))
             summary = self.rejections.summary()
             raise TimeoutError(
-                f"rank {self.job.rank}: ranks {missing} never connected"
+                f"rank {self.job.rank}: {ranks_phrase(self.expected)} never connected"
                 + (f"; this rank {summary}, see the warnings" if summary else "")
             )
         return listener.timeout(self.deadline)

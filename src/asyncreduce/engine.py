@@ -78,7 +78,7 @@ class Engine(FrameSink):
         with self._lock:
             if self._closing.is_set():
                 raise ClosedError(f"{op.label}: the communicator is closed")
-            refusal = self.session.refusal(op.label)
+            refusal = self.session.refusal(op.label, op.algo.other_ranks)
             if refusal is not None:
                 raise refusal
             self._submitted.append(op)

@@ -73,13 +73,16 @@ class Session:
 
     # ---- queries -------------------------------------------------------------------------------
 
-    def refusal(self, label: str) -> BrokenError | None:
-        """Why a new post must fail at once, if it must (any thread may ask)."""
+    def refusal(self, label: str, peers: set[int] | None = None) -> BrokenError | None:
+        """Why a new post must fail at once, if it must (any thread may ask): the session is
+        broken, or one of ``peers`` (None: any rank) said goodbye. A group's operation runs on
+        when a rank outside the group has closed."""
         if self.broken is not None:
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken
             return error
-        gone = list(self.liveness.departed.values())  # one call: safe against the engine thread
+        gone = [why for peer, why in list(self.liveness.departed.items())  # one call: safe
+                if peers is None or peer in peers]  # fmt: skip
         return BrokenError(f"{label}: {gone[0]}") if gone else None
 
     @property
@@ -94,10 +97,11 @@ class Session:
         if self.broken is not None:
             self._fail(op, broken_by(op, self.broken))
             return
-        departed = self.liveness.departed
-        if departed:
-            self._fail(op, BrokenError(f"{op.label}: {next(iter(departed.values()))}"))
-            return
+        if self.liveness.departed:
+            refused = self.refusal(op.label, op.algo.other_ranks)
+            if refused is not None:
+                self._fail(op, refused)
+                return
         earlier = self.matching.failed.get(op.key)
         if earlier is not None:
             self._fail(op, same_error(earlier, str(earlier)))
@@ -297,8 +301,8 @@ class Session:
     def _on_goodbye(self, peer: int, reason: str) -> None:
         """``peer`` closed in good order: fail what still needs it (``pending_sources``: a
         frame to come, or its memory still to be read), on every rank (the others may need it
-        through us); refuse new posts. Its frames came before its goodbye, so an operation that
-        no longer waits on it can still complete."""
+        through us); refuse new posts that involve it (a group without it goes on). Its frames
+        came before its goodbye, so an operation that no longer waits on it can still complete."""
         gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
         self.liveness.departed[peer] = gone
         for op in list(self.matching.ops.values()):

@@ -243,6 +243,7 @@ def connect(
     engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
     comm = Communicator(rank, world_size, engine, one_host, cross, local)
     comm._clock_origin = _shared_clock_origin(comm, one_host, _remaining(deadline))
+    comm._open_lane(_remaining(deadline))
     log.info("%s", _describe(comm, place.launcher, sorted(arenas), tcp_only, one_host, no_cross))
     return comm
 

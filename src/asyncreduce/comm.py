@@ -33,12 +33,15 @@ import numpy as np
 from . import forks, plans
 from .algorithms import Array, reduction_refused
 from .backends import Backend, backend_for
+from .backends.native import NativeBackend
 from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
 from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Keys, p2p_name
+from .lane import lane_wanted
+from .mailbox import Mailbox, region_bytes
 from .ordered.engine import OrderedEngine
 from .planes import DataPlane
 from .plans import Plan
@@ -52,6 +55,7 @@ if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=
     log_ops.setLevel(logging.INFO)  # unless the program set this logger's level first
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
+_LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
@@ -294,6 +298,26 @@ class Communicator(BlockingCalls):
         except WindowError as exc:
             self.abort(f"rank {self.rank}: shared_empty: {exc}")
             raise BrokenError(f"shared_empty on rank {self.rank}: {exc}") from exc
+
+    def _open_lane(self, timeout: float) -> None:
+        """Open the same-host lane (lane.py), collectively, where our own engine reaches every
+        rank on this host and every rank wants it (``lane_wanted``)."""
+        backend = self._backend
+        if not isinstance(backend, NativeBackend) or not self._planes.offers_windows:
+            return
+        wanted = np.array([lane_wanted(backend.engine.settings)], np.int8)
+        if not self.allreduce(wanted, op="min", name=_LANE, timeout=timeout)[0]:
+            return
+        try:
+            window = self._planes.windows.create(
+                self.rank, region_bytes(),
+                lambda record: self.allgather(record, name=_LANE, timeout=timeout),
+                lambda: self.barrier(name=_LANE, timeout=timeout), listed=False,
+            )  # fmt: skip
+        except WindowError as exc:
+            self.abort(f"rank {self.rank}: could not open the same-host lane: {exc}")
+            raise BrokenError(f"init on rank {self.rank}: the same-host lane: {exc}") from exc
+        backend.open_lane(Mailbox(self.rank, window.mine, window.peers))
 
     # ---- life cycle ----------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ import numpy as np
 
 from .errors import BrokenError, ClosedError
 from .flight import FlightRecorder
+from .lane import Lane, LaneOp
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
+from .protocol.failure import broken_by
 from .protocol.operation import Operation, Settings
 from .protocol.session import Session
 from .protocol.wire import describe
@@ -40,6 +42,9 @@ log = logging.getLogger("asyncreduce.engine")
 THREAD_PREFIX = "asyncreduce-engine-"  # + the rank: the progress thread's name
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
+_LANE_SPIN = 250e-6  # how long this thread polls the lane after it last moved, if nobody waits
+_LANE_NAP = 1e-3  # its longest sleep while the lane has work
+_LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
 
 
 class Engine(FrameSink):
@@ -65,6 +70,8 @@ class Engine(FrameSink):
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
+        self.lane: Lane | None = None  # the same-host lane, once the communicator opened it
+        self._lane_watched = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"{THREAD_PREFIX}{rank}", daemon=True
         )
@@ -85,6 +92,14 @@ class Engine(FrameSink):
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
             self.transport.wakeup()
+
+    def refusal(self, label: str) -> BaseException | None:
+        """Why a new post of the whole communicator must fail at once (closed, broken, a
+        peer said goodbye), if it must: what ``submit`` raises, for the lane's posts."""
+        with self._lock:
+            if self._closing.is_set():
+                return ClosedError(f"{label}: the communicator is closed")
+            return self.session.refusal(label, None)
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""
@@ -132,17 +147,43 @@ class Engine(FrameSink):
                     self._apply()
                 session.tick(time.monotonic())
                 self._apply()
+                if self.lane is not None and self.lane.busy:
+                    self._move_lane(self.lane)
             self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
             with self._lock:  # a submit that checked before this sees it, or is taken below
                 session.fail_all(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
             self._apply(each_alone=True)
+            self._close_lane()
             self._take_submitted()  # fails what was submitted meanwhile (the session is broken)
             self._closing.wait()  # new posts fail at once; wait for close()
             self._take_submitted()
         finally:
             self.transport.close()
+
+    def _move_lane(self, lane: Lane) -> None:
+        """Publish and complete what the lane can; now and then fail what must fail."""
+        lane.progress()
+        now = time.monotonic()
+        if now - self._lane_watched >= _LANE_WATCH or self.session.broken is not None:
+            self._lane_watched = now
+            session = self.session
+            lane.watch(session, now, session.liveness.silent(now))
+            self._apply()
+
+    def _close_lane(self) -> None:
+        """Fail the lane's pending operations as the session failed its own."""
+        if self.lane is None:
+            return
+        broken = self.session.broken
+
+        def error(op: LaneOp) -> BaseException:
+            if broken is not None:
+                return broken_by(op, broken)
+            return ClosedError(f"{op.label}: the communicator was closed while it was pending")
+
+        self.lane.close(error)
 
     def _say_goodbye(self, linger: float) -> None:
         """Closing handshake: GOODBYE to all, then read until every peer has closed too."""
@@ -162,6 +203,7 @@ class Engine(FrameSink):
                     late = [op for op in self._submitted if op is not None]
                     self._submitted.clear()
                 self.session.close(self._aborting, late)
+                self._close_lane()
                 self._apply()
                 return False
             self.session.post(op, time.monotonic())
@@ -181,14 +223,19 @@ class Engine(FrameSink):
             self.transport.poll(0.0)
             return
         now = time.monotonic()
-        if now < self.session.spin_until:
+        lane = self.lane
+        laned = lane is not None and lane.busy
+        if now < self.session.spin_until or (
+            laned and not lane.drivers and now - lane.moved_at < _LANE_SPIN  # type: ignore[union-attr]
+        ):
             self.transport.poll(0.0)
             os.sched_yield()
             return
         with self._lock:
             self._sleeping = True
             empty = not self._submitted
-        self.transport.poll(self.session.liveness.timeout(now) if empty else 0.0)
+        timeout = self.session.liveness.timeout(now) if empty else 0.0
+        self.transport.poll(min(timeout, _LANE_NAP) if laned else timeout)
         self._sleeping = False
 
     def _apply(self, each_alone: bool = False) -> None:

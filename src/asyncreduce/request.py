@@ -1,7 +1,8 @@
 """Requests: the handle every non-blocking call returns, a ``concurrent.futures.Future``.
 
 A request is created running (it cannot be cancelled: a collective in flight on other ranks
-cannot be taken back) and completed only by the progress engine. ``wait``/``test`` are the MPI
+cannot be taken back) and completed by the progress engine, or, for the same-host lane's
+operations, by whichever thread moves the lane first (lane.py). ``wait``/``test`` are the MPI
 spellings of ``result``/``done``; ``await request`` works from asyncio.
 
 Done-callbacks never run on the progress thread: they are handed to a ``CallbackRunner``, one
@@ -83,6 +84,8 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
         self._generation = forks.generation()
+        self.driver: Callable[[Request[T], float | None], None] | None = None  # set by the
+        # same-host lane (lane.py): moves the operation from the waiting thread for a while
         self.on_wait: Callable[[], object] | None = None  # set by a device engine: orders
         # the waiting thread's GPU stream after the result (see ordered/torchdist.py)
         self._state = concurrent.futures._base.RUNNING  # (what set_running_or_notify_cancel
@@ -108,6 +111,11 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """The result (``concurrent.futures.Future.result``); on a device engine, this thread's
         current stream is ordered after it, however the result is asked for."""
+        if self.driver is not None and not self.done():
+            started = time.monotonic()
+            self.driver(self, timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - started))
         value = super().result(timeout)
         if self.on_wait is not None:
             self.on_wait()

@@ -29,7 +29,7 @@ from .algorithms import Array, WindowMemory
 from .errors import UsageError
 from .transport.shm import create_segment, open_segment
 
-__all__ = ["WindowError", "Windows", "array_layout"]
+__all__ = ["Window", "WindowError", "Windows", "array_layout"]
 
 #: One rank's entry in the allgather: its file's size and the window's number (8 bytes each),
 #: then the file's path (NUL-padded).
@@ -90,9 +90,11 @@ class Windows:
         nbytes: int,
         exchange: Callable[[Array], Array],
         barrier: Callable[[], None],
-    ) -> Array:
+        listed: bool = True,
+    ) -> Window:
         """A new window of ``nbytes`` (collective: ``exchange`` allgathers one record per rank,
-        ``barrier`` waits for every rank); returns this rank's part as uint8. Raises
+        ``barrier`` waits for every rank); its ``mine`` is this rank's part as uint8. An
+        unlisted one (the lane's mailboxes) is not looked up for allreduces. Raises
         WindowError if a file cannot be made or mapped, or the ranks disagree about the
         window's number (they called in different orders); what ``exchange`` and ``barrier``
         raise (a timeout, a broken communicator) passes through."""
@@ -115,8 +117,9 @@ class Windows:
                 np.frombuffer(mapping, np.uint8)[:nbytes],
                 {p: np.frombuffer(m, np.uint8) for p, m in peers.items()},
             )
-            self._windows.append(window)
-        return window.mine
+            if listed:
+                self._windows.append(window)
+        return window
 
     @staticmethod
     def _map_peers(rank: int, ident: int, records: Array) -> dict[int, mmap.mmap]:
@@ -142,7 +145,7 @@ class Windows:
     ) -> Array:  # fmt: skip
         """A new array of shape ``dims`` and dtype ``kind`` in a new window (``create``)."""
         count = int(np.prod(dims, dtype=np.int64))
-        raw = self.create(rank, count * kind.itemsize, exchange, barrier)
+        raw = self.create(rank, count * kind.itemsize, exchange, barrier).mine
         shaped: Array = raw.view(kind).reshape(dims)
         return shaped
 

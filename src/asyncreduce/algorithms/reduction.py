@@ -29,6 +29,7 @@ __all__ = [
     "REDUCTION_CODES",
     "combine",
     "finalize",
+    "fold",
     "reduction_refused",
 ]
 
@@ -151,6 +152,22 @@ def combine(
         _f32_to_bf16(widened, acc)  # type: ignore[arg-type]
     else:
         ufunc(first, second, out=acc)
+
+
+def fold(dtype: DType, op: str, parts: list[NDArray[np.generic]], out: NDArray[np.generic]) -> None:
+    """out = parts[0] (op) parts[1] (op) ..., left to right, so every rank that folds the same
+    parts in the same order gets the same bits; ``parts`` are raw bytes of ``dtype``'s storage
+    (``out`` may be any of them only if it is the first)."""
+    kind = out.dtype
+    if dtype.name in ("bool", "bfloat16"):
+        np.copyto(out, parts[0].view(kind))
+        for part in parts[1:]:
+            combine(dtype, op, out, part.view(kind))
+        return
+    ufunc = _UFUNCS[op]
+    ufunc(parts[0].view(kind), parts[1].view(kind), out=out)
+    for part in parts[2:]:
+        ufunc(out, part.view(kind), out=out)
 
 
 def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int) -> None:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..algorithms import Collective, Translated, build
 from ..engine import Engine
-from ..errors import UsageError
+from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
+from ..lane import Lane, LaneOp
+from ..mailbox import Mailbox
 from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
 from ..protocol.operation import Operation
@@ -60,17 +62,54 @@ class NativeBackend(EngineBackend):
         self.planes = planes
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
+        self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         request: Request[Any],
     ) -> None:  # fmt: skip
-        algo, desc = built(plan, self.rank, self.world_size, self.planes)
+        lane = self.lane
+        if lane is not None and not key[0]:  # unnamed: every one takes a slot of the lane
+            if Lane.takes(plan.kind, plan.buf, key):
+                self._to_lane(lane, plan, key, label, timeout, request)
+                return
+            algo, desc = built(plan, self.rank, self.world_size, self.planes)
+            lane.note(key[1], desc)
+        else:
+            algo, desc = built(plan, self.rank, self.world_size, self.planes)
         engine = self.engine
         if self._translated:
             algo = Translated(algo, self.members, engine.rank, engine.world_size)
         log_post(self.rank, label, desc)
         engine.submit(Operation(key, label, desc, algo, request, plan.result, priority, timeout))
+
+    def _to_lane(
+        self, lane: Lane, plan: Plan, key: Key, label: str, timeout: float | None,
+        request: Request[Any],
+    ) -> None:  # fmt: skip
+        refused = self.engine.refusal(label)
+        if refused is not None:
+            raise refused
+        desc = plan.descriptor(0, plan.buf.dtype.code)
+        log_post(self.rank, label, desc)
+        request.driver = lane.drive
+        lane.post(LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, request,
+                         timeout))  # fmt: skip
+
+    def open_lane(self, mailbox: Mailbox) -> None:
+        """Send the world's unnamed small allreduces through ``mailbox`` from now on (every
+        rank switches at the same point: after the collective that made the mailboxes)."""
+        self.lane = self.engine.lane = Lane(mailbox, self.rank, self.world_size, self.convert)
+
+    def convert(self, op: LaneOp) -> None:
+        """Run a lane operation on the engine after all (a peer runs it there, or disagrees
+        about it): the engine's matching completes it or fails it on every rank."""
+        algo = build("allreduce", self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
+        try:
+            self.engine.submit(Operation(op.key, op.label, op.desc, algo, op.request, op.result,
+                                         0, op.timeout))  # fmt: skip
+        except (BrokenError, ClosedError) as exc:
+            op.request.set_exception(exc)
 
     def group(self, members: tuple[int, ...]) -> NativeBackend:
         engine_ranks = tuple(self.members[r] for r in members)

@@ -1,0 +1,267 @@
+"""The same-host lane: unnamed small allreduces through shared-memory mailboxes, moved by the
+thread that waits for them.
+
+Theory of operation. Where every rank is on one host, an unnamed allreduce of at most
+``SLOT_BYTES`` (64 KiB) skips the engine: the posting call copies the contribution into this
+rank's mailbox slot for its sequence number (mailbox.py), and whoever looks next (the thread
+that waits on the request, spinning for a while, or the progress thread) reads every peer's
+slot for that number and, once all are there, combines them in rank order, so every rank
+ends bitwise equal. No frame, no socket, no thread hand-off: an operation costs about what
+its Python does. Every other unnamed operation of the communicator leaves a note in its slot
+instead (``ELSEWHERE``), so the slots keep one numbering.
+
+Every semantic of the engine stays, because the engine keeps all of them:
+- the choice of path is a function of the descriptor, so ranks that agree take the same one;
+  where a peer's slot holds a note, or another descriptor, this rank hands the operation to
+  the engine as it is (``convert``), whose matching completes it or fails it on every rank
+  with its MismatchError;
+- deadlines, broken peers, goodbyes and silent peers are watched by the progress thread
+  (``watch``), which fails an operation through the session, so peers hear of it as of any
+  other failure, and a later post fails at once;
+- posting never blocks: a contribution whose slot is not free yet (a peer is ``SLOTS``
+  operations behind) waits in ``_unpublished`` and goes out in order as slots free up.
+
+The lane is not used for named operations (posted in any order: a slot per name could
+deadlock), for groups, for the ordered engines, or where ``ASYNCREDUCE_LANE=0`` or
+``ASYNCREDUCE_SPIN_US=0`` on any rank (its point is spinning), or off x86-64 (mailbox.py).
+Its operations have no flight record and are not asked about as stalls.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .algorithms import KINDS
+from .algorithms.reduction import finalize, fold
+from .buffers import Buffer
+from .envvars import env_number
+from .errors import ClosedError, ranks_phrase
+from .keys import Key
+from .mailbox import AGREED, SLOT_BYTES, WAITING, Mailbox, supported
+from .protocol.failure import broken_by, same_error
+from .protocol.operation import Settings
+from .protocol.session import Session
+from .request import Request
+from .transport.frame import Descriptor
+
+__all__ = ["Lane", "LaneOp", "lane_wanted"]
+
+_ALLREDUCE = KINDS["allreduce"]
+_WAITER_SPIN = 2e-3  # how long a waiting thread moves the lane itself before it sleeps
+
+
+def lane_wanted(settings: Settings) -> bool:
+    """Whether this rank would use the lane: an x86-64 CPU, ASYNCREDUCE_LANE not 0, and
+    spinning allowed (ASYNCREDUCE_SPIN_US not 0). Every rank must want it, or none uses it."""
+    return supported() and settings.spin > 0 and env_number("ASYNCREDUCE_LANE", 1, int, 0) > 0
+
+
+@dataclass(eq=False)
+class LaneOp:
+    """One unnamed small allreduce in the lane."""
+
+    key: Key
+    label: str
+    desc: Descriptor
+    buf: Buffer
+    op: str
+    result: Callable[[], Any]
+    request: Request[Any]
+    timeout: float | None
+    deadline: float = 0.0
+    fields: list[int] = field(default_factory=list, init=False)  # the descriptor, as words
+
+    def __post_init__(self) -> None:
+        self.fields = list(self.desc)
+
+    @property
+    def seq(self) -> int:
+        return self.key[1]
+
+
+class Lane:
+    """Rank ``rank``'s side of the lane (see the module docstring). ``convert`` hands an
+    operation to the engine; every method but ``watch`` may be called from any thread."""
+
+    def __init__(
+        self, mailbox: Mailbox, rank: int, world_size: int,
+        convert: Callable[[LaneOp], None],
+    ) -> None:  # fmt: skip
+        self.mailbox = mailbox
+        self.rank, self.world_size = rank, world_size
+        self._convert = convert
+        self._lock = threading.Lock()
+        self._unpublished: dict[int, tuple[Descriptor, LaneOp | None]] = {}
+        self._next = 0  # the next sequence number to publish
+        self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
+        self._finished: set[int] = set()  # done with, above ``_through``
+        self._through = 0
+        self._closed: BaseException | None = None
+        self.completed = 0  # operations this lane completed itself (diagnostics, tests)
+        self.converted = 0  # and those it handed to the engine
+        self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
+        self.moved_at = 0.0  # when the lane last published or completed something
+
+    @staticmethod
+    def takes(kind: str, buf: Buffer, key: Key) -> bool:
+        """Whether an operation goes through the lane: unnamed small allreduces."""
+        return kind == "allreduce" and not key[0] and buf.flat.nbytes <= SLOT_BYTES
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._unpublished)
+
+    # ---- any thread ----------------------------------------------------------------------
+
+    def post(self, op: LaneOp) -> None:
+        """Start ``op``: publish its contribution (now, if its slot is free) and complete it
+        if every peer's is there already."""
+        with self._lock:
+            if self._closed is not None:
+                raise ClosedError(f"{op.label}: the communicator is closed")
+            if op.timeout is not None:
+                op.deadline = time.monotonic() + op.timeout
+            self._pending[op.seq] = op
+            self._unpublished[op.seq] = (op.desc, op)
+            self._advance()
+
+    def note(self, seq: int, desc: Descriptor) -> None:
+        """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
+        with self._lock:
+            self._unpublished[seq] = (desc, None)
+            self._done_with(seq)
+            self._advance()
+
+    def drive(self, request: Request[Any], timeout: float | None) -> None:
+        """Move the lane from the waiting thread until ``request`` is done, for at most
+        ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks."""
+        spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
+        end = time.monotonic() + spin
+        with self._lock:
+            self.drivers += 1
+        try:
+            while not request.done() and time.monotonic() < end:
+                if self._lock.acquire(blocking=False):
+                    try:
+                        self._advance()
+                    finally:
+                        self._lock.release()
+                if not request.done():
+                    os.sched_yield()
+        finally:
+            with self._lock:
+                self.drivers -= 1
+
+    # ---- the progress thread ---------------------------------------------------------------
+
+    def progress(self) -> None:
+        """Publish and complete what can be (the progress thread's turn)."""
+        with self._lock:
+            self._advance()
+
+    def watch(self, session: Session, now: float, silent: set[int]) -> None:
+        """Fail what must fail, through ``session`` (its commands are the caller's to apply):
+        operations of a broken communicator, or after a peer's goodbye, past their deadline,
+        or waiting for a ``silent`` peer."""
+        with self._lock:
+            if not self._pending:
+                return
+            for op in self._ordered():
+                if session.broken is not None:
+                    earlier = session.matching.failed.get(op.key)
+                    error = (same_error(earlier, str(earlier)) if earlier is not None
+                             else broken_by(op, session.broken))  # fmt: skip
+                    self._fail(op, error)
+                    continue
+                refused = session.refusal(op.label, None) if session.liveness.departed else None
+                if refused is not None:
+                    self._fail(op, refused)
+                    continue
+                late = bool(op.deadline) and now >= op.deadline
+                missing = self.mailbox.missing(op.seq) if late or silent else set()
+                if late:
+                    why = (f"{op.label} did not complete within its timeout of {op.timeout} s "
+                           f"on rank {self.rank} (still waiting for {ranks_phrase(missing)})")
+                    self._fail_everywhere(session, op, TimeoutError(why))
+                elif missing & silent:
+                    quiet = ranks_phrase(missing & silent)
+                    why = (f"{op.label} failed on rank {self.rank}: {quiet}"
+                           f" sent nothing for {session.settings.peer_timeout:g} s, not even a "
+                           "heartbeat (stopped, or cut off?)")
+                    self._fail_everywhere(session, op, TimeoutError(why))
+
+    def close(self, error: Callable[[LaneOp], BaseException]) -> None:
+        """Fail what is pending with ``error(op)``; later posts raise ClosedError."""
+        with self._lock:
+            self._closed = ClosedError("the communicator is closed")
+            for op in self._ordered():
+                self._fail(op, error(op))
+
+    # ---- under the lock --------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        mailbox = self.mailbox
+        while self._next in self._unpublished and mailbox.free(self._next):
+            desc, op = self._unpublished.pop(self._next)
+            raw = None if op is None else op.buf.flat.view(np.uint8)
+            mailbox.publish(self._next, list(desc) if op is None else op.fields, raw)
+            self._next += 1
+            self.moved_at = time.monotonic()
+        for op in self._ordered():
+            if op.seq >= self._next or not self._complete(op):
+                break  # peers publish in order: nothing later is ready either
+
+    def _ordered(self) -> list[LaneOp]:
+        pending = self._pending
+        return list(pending.values()) if len(pending) < 2 else [pending[s] for s in sorted(pending)]
+
+    def _complete(self, op: LaneOp) -> bool:
+        """Finish ``op`` if every peer's slot holds it; False while one does not yet."""
+        seq = op.seq
+        state = self.mailbox.state(seq, op.fields)
+        if state == WAITING:
+            return False
+        del self._pending[seq]
+        self.moved_at = time.monotonic()
+        if state != AGREED:
+            self._done_with(seq)
+            self.converted += 1
+            self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
+            return True
+        out, dtype = op.buf.flat, op.buf.dtype
+        with np.errstate(all="ignore"):  # as on the progress thread: overflow is the data's
+            fold(dtype, op.op, self.mailbox.parts(seq, out.nbytes), out)
+            finalize(dtype, op.op, out, self.world_size)
+        self._done_with(seq)
+        self.completed += 1
+        op.request.set_result(op.result())
+        return True
+
+    def _done_with(self, seq: int) -> None:
+        self._finished.add(seq)
+        moved = self._through
+        while self._through in self._finished:
+            self._finished.discard(self._through)
+            self._through += 1
+        if self._through != moved:
+            self.mailbox.done_through(self._through)
+
+    def _fail(self, op: LaneOp, error: BaseException) -> None:
+        if self._pending.pop(op.seq, None) is None:
+            return
+        if op.seq in self._unpublished:  # peers still wait for its slot: it says "elsewhere"
+            self._unpublished[op.seq] = (op.desc, None)
+        self._done_with(op.seq)
+        if not op.request.done():
+            op.request.set_exception(error)
+
+    def _fail_everywhere(self, session: Session, op: LaneOp, error: BaseException) -> None:
+        self._fail(op, error)
+        session.fail_all(error, (op.key, op.desc))

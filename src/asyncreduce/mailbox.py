@@ -1,0 +1,140 @@
+"""Mailboxes: each rank's slots in shared memory, where the ranks of one host leave what their
+unnamed small allreduces need from one another.
+
+Theory of operation. Every rank owns one region, which only it writes and every peer on the
+host maps (a shared window, window.py). It holds ``SLOTS`` slots and a counter. The unnamed
+operation with sequence number ``seq`` (its key's instance: every rank posts unnamed
+operations in the same order) always goes to slot ``seq % SLOTS``, on every rank, so a reader
+knows where to look without being told. A slot holds its operation's descriptor and either
+this rank's contribution (``HERE``) or a note that this rank runs the operation on the engine
+instead (``ELSEWHERE``). Failures do not go through the mailboxes: the engine tells every rank
+(lane.py).
+
+Single writer, ordered stores. The owner writes a slot's data and descriptor first and its
+stamp (``seq + 1``) last; a reader reads the stamp first. On x86-64 stores are seen in the
+order they are made and loads are not reordered with loads, and numpy makes each store in its
+own call, so a reader that sees the stamp sees what came before it. (Other CPUs would need
+fences: ``supported`` says where mailboxes are used.) Each rank's counter ``through`` says
+how many of its peers' unnamed operations it is done with: every one below it has been read
+(or never needs to be). The owner reuses a slot for ``seq`` only once every peer is through
+``seq - SLOTS``, so nothing a reader may still read is ever overwritten, and the reader needs
+no lock and no second look.
+
+Nothing here blocks, sleeps or knows about threads: lane.py drives it. What a peer wrote is
+checked before use: a slot is read only if its stamp is the operation's, and its data only
+for the reader's own length, which fits a slot (the lane uses it only where the descriptors,
+counts included, agree).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+
+from .algorithms import SMALL_ALLREDUCE_BYTES, Array
+
+__all__ = ["AGREED", "DIFFERENT", "ELSEWHERE", "HERE", "SLOT_BYTES", "SLOTS", "WAITING", "Mailbox",
+           "region_bytes", "supported"]  # fmt: skip
+
+SLOTS = 32  # operations a rank may have published ahead of its slowest peer
+SLOT_BYTES = SMALL_ALLREDUCE_BYTES  # the largest contribution a slot takes
+HERE, ELSEWHERE = 1, 2  # what a slot holds
+WAITING, AGREED, DIFFERENT = 0, 1, 2  # what the peers' slots for one operation say
+
+_STAMP, _STATE, _DESC = 0, 1, 2  # header fields (int64): stamp, state, the 5 descriptor fields
+_FIELDS = 8  # per slot header: 64 bytes, a cache line
+_HEAD = 8 * 8  # the counter ``through``, alone on its cache line
+_DATA = _HEAD + SLOTS * _FIELDS * 8
+
+
+def region_bytes() -> int:
+    """The size of one rank's region."""
+    return _DATA + SLOTS * SLOT_BYTES
+
+
+def supported() -> bool:
+    """Whether this CPU orders plain stores as the mailboxes need (x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class _Region:
+    """One rank's region (a flat uint8 array of ``region_bytes()``): its counter and headers
+    as int64 words (a memoryview: a store or load is one plain machine access, no numpy call),
+    and its slots' data."""
+
+    def __init__(self, raw: Array) -> None:
+        if raw.size < region_bytes() or not raw.flags.c_contiguous:
+            raise ValueError(f"a mailbox needs {region_bytes()} contiguous bytes, got {raw.size}")
+        self.words = memoryview(raw[:_DATA]).cast("q")  # type: ignore[arg-type]  # [through, pad x7, headers...]
+        self.slots = [raw[_DATA + i * SLOT_BYTES : _DATA + (i + 1) * SLOT_BYTES]
+                      for i in range(SLOTS)]  # fmt: skip
+
+
+def _base(seq: int) -> int:
+    return _HEAD // 8 + (seq % SLOTS) * _FIELDS  # the word where ``seq``'s header starts
+
+
+class Mailbox:
+    """Rank ``rank``'s region (``mine``, which it writes) and its peers' (``peers``, read)."""
+
+    def __init__(self, rank: int, mine: Array, peers: dict[int, Array]) -> None:
+        self.rank = rank
+        self._mine = _Region(mine)
+        self._peers = {peer: _Region(raw) for peer, raw in sorted(peers.items())}
+        self._peer_words = [r.words for r in self._peers.values()]
+        every = {**self._peers, rank: self._mine}
+        self._slots = [every[r].slots for r in sorted(every)]  # every rank's, in rank order
+        self._mine.words[0] = 0
+
+    @property
+    def peers(self) -> list[int]:
+        return list(self._peers)
+
+    def free(self, seq: int) -> bool:
+        """Whether slot ``seq % SLOTS`` may take ``seq``: every peer is done with what it
+        held (``seq - SLOTS``)."""
+        oldest = seq - SLOTS
+        if oldest < 0:
+            return True
+        return all(words[0] > oldest for words in self._peer_words)
+
+    def publish(self, seq: int, fields: list[int], data: Array | None) -> None:
+        """Put ``seq``'s descriptor (its five ``fields``) and this rank's contribution (raw
+        bytes, at most ``SLOT_BYTES``) or, with ``data`` None, the note that it runs
+        elsewhere. Only after ``free(seq)``."""
+        base, words = _base(seq), self._mine.words
+        if data is not None:
+            np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data)
+        for i, value in enumerate(fields, base + _DESC):
+            words[i] = value
+        words[base + _STATE] = HERE if data is not None else ELSEWHERE
+        words[base + _STAMP] = seq + 1  # last: a reader that sees it sees the rest
+
+    def state(self, seq: int, fields: list[int]) -> int:
+        """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer
+        left its contribution under the descriptor ``fields``, else ``DIFFERENT``."""
+        base, stamp = _base(seq), seq + 1
+        for words in self._peer_words:
+            if words[base + _STAMP] != stamp:
+                return WAITING
+        desc = slice(base + _DESC, base + _DESC + 5)
+        for words in self._peer_words:
+            if words[base + _STATE] != HERE or words[desc].tolist() != fields:
+                return DIFFERENT
+        return AGREED
+
+    def missing(self, seq: int) -> set[int]:
+        """The peers that have not published ``seq`` yet."""
+        base, stamp = _base(seq), seq + 1
+        return {p for p, r in self._peers.items() if r.words[base + _STAMP] != stamp}
+
+    def parts(self, seq: int, nbytes: int) -> list[Array]:
+        """Every rank's contribution to ``seq`` (``AGREED``: all are ``nbytes`` long), in rank
+        order, as raw bytes."""
+        slot = seq % SLOTS
+        return [slots[slot][:nbytes] for slots in self._slots]
+
+    def done_through(self, seq: int) -> None:
+        """Tell the peers this rank is done with every operation below ``seq``."""
+        self._mine.words[0] = seq

@@ -1,0 +1,390 @@
+"""The same-host lane (lane.py, mailbox.py): unnamed small allreduces through shared memory.
+
+In one process, several ranks' lanes over plain arrays, driven in random orders (who posts
+next, who looks next): every operation ends with the fold of every rank's contribution in
+rank order, bitwise equal everywhere, however far one rank runs ahead of the slots; a peer
+that runs an operation elsewhere, or describes it differently, makes every rank hand it to
+the engine; a slot is reused only once every peer is through it. On real processes: the
+lane is what unnamed small allreduces take (and only they), with every dtype and reduction;
+it interleaves with the engine's operations and with named ones in another order; and every
+failure reaches every rank as it does on the engine: a size or dtype that differs
+(MismatchError), a timeout, a peer killed, a close with an operation pending. Where one rank
+does not want the lane (ASYNCREDUCE_LANE=0, or no spinning), nobody uses it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncreduce as ar
+from asyncreduce.algorithms import KINDS, REDUCTION_CODES
+from asyncreduce.algorithms.reduction import DTYPES, fold
+from asyncreduce.buffers import as_buffer
+from asyncreduce.lane import Lane, LaneOp
+from asyncreduce.mailbox import SLOTS, Mailbox, region_bytes
+from asyncreduce.request import CallbackRunner, Request
+from asyncreduce.transport.frame import Descriptor
+from spmd import run_ranks
+
+RUNNER = CallbackRunner("test-lane")
+
+
+# ---- one process: lanes over plain arrays -------------------------------------------------
+
+
+class World:
+    """``n`` ranks' lanes over plain arrays in this process; ``converted[r]``: what rank r
+    handed to the engine."""
+
+    def __init__(self, n: int) -> None:
+        regions = [np.zeros(region_bytes(), np.uint8) for _ in range(n)]
+        self.converted: list[list[LaneOp]] = [[] for _ in range(n)]
+        self.lanes = [
+            Lane(Mailbox(r, regions[r], {p: regions[p] for p in range(n) if p != r}), r, n,
+                 self.converted[r].append)
+            for r in range(n)
+        ]  # fmt: skip
+
+
+def lane_op(seq: int, x: np.ndarray[Any, Any], op: str = "sum") -> LaneOp:
+    buf = as_buffer(x, "x")
+    desc = Descriptor(KINDS["allreduce"], buf.dtype.code, REDUCTION_CODES[op], 0, x.size)
+    request: Request[Any] = Request(f"allreduce #{seq}", RUNNER)
+    return LaneOp((b"", seq), request.label, desc, buf, op, lambda: buf.original, request, None)
+
+
+def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
+    out = np.empty_like(parts[0])
+    fold(DTYPES[str(parts[0].dtype)], op, [p.view(np.uint8) for p in parts], out)
+    if op == "avg":
+        out /= len(parts)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_lanes_driven_in_any_order_end_with_every_rank_bitwise_equal(n: int, seed: int) -> None:
+    """Each rank posts 3 x SLOTS operations in sequence order (some run elsewhere: a note),
+    at random moments against the others, and random ranks move their lanes between posts;
+    every lane operation ends with the rank-order fold, the same bits on every rank."""
+    rng = random.Random(seed)
+    world = World(n)
+    count = 3 * SLOTS
+    kinds = [rng.choice(["sum", "avg", "max", "prod", "note"]) for _ in range(count)]
+    sizes = [rng.choice([1, 7, 256, 16384]) for _ in range(count)]
+    data = [[np.random.default_rng([seed, s, r]).standard_normal(sizes[s]).astype(np.float32)
+             for r in range(n)] for s in range(count)]  # fmt: skip
+    ops: dict[tuple[int, int], LaneOp] = {}
+    posted = [0] * n
+    while min(posted) < count:
+        rank = rng.choice([r for r in range(n) if posted[r] < count])
+        seq = posted[rank]
+        if kinds[seq] == "note":
+            world.lanes[rank].note(seq, Descriptor(KINDS["broadcast"], 2, 0, 0, 5))
+        else:
+            ops[rank, seq] = lane_op(seq, data[seq][rank].copy(), kinds[seq])
+            world.lanes[rank].post(ops[rank, seq])
+        posted[rank] += 1
+        world.lanes[rng.randrange(n)].progress()
+    for lane in world.lanes:
+        lane.progress()
+    for (rank, seq), op in ops.items():
+        want = expected(data[seq], kinds[seq])
+        got = op.request.result(timeout=0)
+        assert got.tobytes() == want.tobytes(), (rank, seq, kinds[seq])
+    assert not any(world.converted)
+    assert all(not lane.busy for lane in world.lanes)
+
+
+def test_a_slot_is_reused_only_once_every_peer_is_through_it() -> None:
+    """Rank 0 runs 2 x SLOTS operations ahead of rank 1: only the first SLOTS go out (the
+    rest wait, in order); as rank 1 catches up, everything completes, nothing overwritten."""
+    world = World(2)
+    ahead = [lane_op(s, np.full(4, s, np.float64)) for s in range(2 * SLOTS)]
+    for op in ahead:
+        world.lanes[0].post(op)
+    assert world.lanes[0]._next == SLOTS  # published: the first SLOTS; the rest wait
+    behind = [lane_op(s, np.full(4, 1000.0 * s, np.float64)) for s in range(2 * SLOTS)]
+    for op in behind:
+        world.lanes[1].post(op)
+        world.lanes[0].progress()
+    world.lanes[1].progress()
+    for s in range(2 * SLOTS):
+        for op in (ahead[s], behind[s]):
+            assert op.request.result(timeout=0).tolist() == [1001.0 * s] * 4
+
+
+def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine() -> None:
+    """Rank 2 runs operation 0 on the engine (a note); ranks 0 and 1 hand theirs to the
+    engine too, and the lane goes on with operation 1 as if nothing happened."""
+    world = World(3)
+    first = [lane_op(0, np.ones(4, np.float32)) for _ in range(2)]
+    world.lanes[0].post(first[0])
+    world.lanes[1].post(first[1])
+    world.lanes[2].note(0, first[0].desc)
+    for lane in world.lanes:
+        lane.progress()
+    assert [len(c) for c in world.converted] == [1, 1, 0]
+    assert world.converted[0][0] is first[0] and not first[0].request.done()
+    second = [lane_op(1, np.full(4, r, np.float32)) for r in range(3)]
+    for r, op in enumerate(second):
+        world.lanes[r].post(op)
+    for op in second:
+        assert op.request.result(timeout=0).tolist() == [3.0] * 4
+
+
+@pytest.mark.parametrize("theirs", ["count", "dtype", "reduction"])
+def test_a_peer_that_disagrees_makes_every_rank_hand_it_to_the_engine(theirs: str) -> None:
+    """Another count, dtype or reduction on rank 1: both ranks hand the operation to the
+    engine (whose matching fails it on every rank, naming both sides); no data is read."""
+    world = World(2)
+    other = {"count": (np.ones(8, np.float32), "sum"), "dtype": (np.ones(4, np.int32), "sum"),
+             "reduction": (np.ones(4, np.float32), "max")}[theirs]  # fmt: skip
+    mine, peers = lane_op(0, np.ones(4, np.float32)), lane_op(0, other[0], other[1])
+    world.lanes[0].post(mine)
+    world.lanes[1].post(peers)
+    world.lanes[0].progress()
+    assert world.converted == [[mine], [peers]]
+    assert mine.buf.flat.tolist() == [1.0] * 4  # untouched
+
+
+def test_a_header_a_peer_scribbled_on_is_read_as_a_disagreement() -> None:
+    """A peer's header with a wild count (as a bug or a hostile process would leave it) is
+    never used to read data: the operation goes to the engine, which checks for itself."""
+    regions = [np.zeros(region_bytes(), np.uint8) for _ in range(2)]
+    converted: list[LaneOp] = []
+    lane = Lane(Mailbox(0, regions[0], {1: regions[1]}), 0, 2, converted.append)
+    op = lane_op(0, np.ones(4, np.float32))
+    words = regions[1][: 64 + SLOTS * 64].view(np.int64)
+    words[8:16] = [1, 1, KINDS["allreduce"], 2, 1, 0, 1 << 40, 0]  # stamp 1, HERE, count 2^40
+    lane.post(op)
+    assert converted == [op]
+
+
+# ---- real processes -------------------------------------------------------------------------
+
+
+def _lane_of(comm: ar.Communicator) -> Lane | None:
+    return getattr(comm._backend, "lane", None)
+
+
+CASES = [("float32", "sum"), ("float64", "avg"), ("float16", "max"), ("int32", "prod"),
+         ("int64", "min"), ("uint8", "bxor"), ("bool", "sum"), ("complex64", "sum"),
+         ("int16", "band")]  # fmt: skip
+COUNTS = (1, 1000, 4096)  # up to 32 KiB of complex64
+
+
+def contribution(count: int, dtype: str, rank: int) -> np.ndarray[Any, Any]:
+    """What ``rank`` contributes to the allreduce of ``count`` elements of ``dtype``."""
+    rng = np.random.default_rng([count, rank])
+    values = np.abs(rng.standard_normal(count)) * 4
+    if dtype == "bool":
+        return values < 1.5
+    if dtype == "complex64":
+        return (values + 1j * values[::-1]).astype(dtype)
+    return values.astype(dtype)
+
+
+def body_every_dtype_and_reduction(comm: ar.Communicator) -> dict[str, Any]:
+    """Unnamed allreduces of every size class, dtype and reduction; returns what each gave
+    (bytes), and how many the lane completed and handed on."""
+    lane = _lane_of(comm)
+    assert lane is not None
+    done: dict[str, bytes] = {}
+    for count in COUNTS:
+        for dtype, op in CASES:
+            x = contribution(count, dtype, comm.rank)
+            done[f"{count}-{dtype}-{op}"] = comm.allreduce(x, op=op).tobytes()
+    done["large"] = comm.allreduce(np.ones(1 << 15, np.float32)).tobytes()  # 128 KiB: engine
+    done["named"] = comm.allreduce(np.ones(4, np.float32), name="n").tobytes()  # engine
+    return {"done": done, "lane": lane.completed, "converted": lane.converted}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int) -> None:
+    results = run_ranks(n, body_every_dtype_and_reduction)
+    first = results[0]["done"]
+    for rank, got in results.items():
+        assert got["done"] == first, f"rank {rank} differs"
+        assert got["lane"] == 27 and got["converted"] == 0, got  # 3 sizes x 9 cases, no more
+    # the values: rank-order folds of what every rank contributed
+    for key, raw in first.items():
+        if key in ("large", "named"):
+            assert np.frombuffer(raw, np.float32).tolist() == [float(n)] * (len(raw) // 4)
+            continue
+        count, dtype, op = key.split("-")
+        want = expected([contribution(int(count), dtype, r) for r in range(n)], op)
+        assert raw == want.tobytes(), key
+
+
+def body_mixed_with_the_engine(comm: ar.Communicator) -> list[float]:
+    """Unnamed operations of every path in one sequence (small and large allreduces,
+    broadcasts, barriers), many in flight, rank 1 starting 0.3 s late and more than SLOTS
+    behind; meanwhile a thread runs named allreduces in an order of its own per rank."""
+    r, n = comm.rank, comm.world_size
+    names = [f"named{i}" for i in range(20)]
+    random.Random(r).shuffle(names)
+
+    def named() -> None:
+        for name in names:
+            assert comm.allreduce(np.ones(8, np.float32), name=name).tolist() == [n] * 8
+
+    side = threading.Thread(target=named)
+    side.start()
+    if r == 1:
+        time.sleep(0.3)
+    requests, wanted = [], []
+    for i in range(3 * SLOTS):
+        if i % 7 == 3:
+            requests.append(comm.iallreduce(np.full(40000, float(i), np.float32)))  # engine
+            wanted.append(float(i * n))
+        elif i % 11 == 5:
+            requests.append(comm.ibroadcast(np.full(3, float(r + i), np.float64), root=1))
+            wanted.append(float(1 + i))
+        elif i % 13 == 6:
+            requests.append(comm.ibarrier())
+            wanted.append(-1.0)
+        else:
+            requests.append(comm.iallreduce(np.full(16, float(r * i), np.float32)))
+            wanted.append(float(i * sum(range(n))))
+    got = [-1.0 if w == -1.0 else float(np.asarray(q.wait(timeout=30))[0])
+           for q, w in zip(requests, wanted, strict=True)]  # fmt: skip
+    side.join()
+    assert got == wanted
+    lane = _lane_of(comm)
+    assert lane is not None and lane.completed >= 2 * SLOTS and lane.converted == 0
+    return got
+
+
+def test_the_lane_interleaves_with_the_engine_and_with_named_operations() -> None:
+    results = run_ranks(3, body_mixed_with_the_engine, timeout=90)
+    assert results[0] == results[1] == results[2]
+
+
+def body_unnamed_ahead_of_a_named_one(comm: ar.Communicator) -> int:
+    """Rank 0 posts 2 x SLOTS unnamed allreduces, then blocks on a named one; rank 1 blocks
+    on the named one first and posts the unnamed ones after: posting never waits for a slot,
+    so this completes (a lane that made the post wait would deadlock here)."""
+    xs = [np.full(4, float(i), np.float32) for i in range(2 * SLOTS)]
+    if comm.rank == 0:
+        requests = [comm.iallreduce(x) for x in xs]
+        comm.allreduce(np.ones(1, np.float32), name="meet", timeout=20)
+    else:
+        comm.allreduce(np.ones(1, np.float32), name="meet", timeout=20)
+        requests = [comm.iallreduce(x) for x in xs]
+    ar.wait_all(requests, timeout=20)
+    assert [x[0] for x in xs] == [2.0 * i for i in range(2 * SLOTS)]
+    return len(requests)
+
+
+def test_posting_never_waits_for_a_slot() -> None:
+    assert run_ranks(2, body_unnamed_ahead_of_a_named_one) == {0: 2 * SLOTS, 1: 2 * SLOTS}
+
+
+def body_differs(comm: ar.Communicator, what: str) -> str:
+    """Rank 1's unnamed allreduce differs from rank 0's 1 KiB float32 one by ``what``; both
+    must fail with MismatchError, and the communicator is broken after."""
+    x = np.ones(256, np.float32)
+    if comm.rank == 1:
+        x = {"size": np.ones(1 << 18, np.float32), "dtype": np.ones(256, np.int32),
+             "count": np.ones(255, np.float32)}[what]  # fmt: skip
+    with pytest.raises(ar.MismatchError) as caught:
+        comm.allreduce(x, timeout=20)
+    with pytest.raises(ar.BrokenError):
+        comm.allreduce(np.ones(4, np.float32))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("what", ["size", "dtype", "count"])
+def test_a_rank_that_differs_fails_every_rank_with_a_mismatch(what: str) -> None:
+    """"size": rank 1's allreduce is too large for the lane, so it runs on the engine while
+    rank 0's is in the lane; "dtype", "count": both in the lane, described differently."""
+    results = run_ranks(2, body_differs, what)
+    for rank, message in results.items():
+        assert "rank 0" in message and "rank 1" in message, (rank, message)
+
+
+def body_timeout(comm: ar.Communicator) -> str:
+    """Rank 1 posts nothing for 1.5 s; rank 0's lane allreduce times out after 0.3 s, and
+    rank 1's post, when it comes, fails at once."""
+    if comm.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as caught:
+            comm.allreduce(np.ones(4, np.float32), timeout=0.3)
+        assert time.monotonic() - start < 3
+        return str(caught.value)
+    time.sleep(1.5)
+    with pytest.raises((ar.BrokenError, TimeoutError)) as failed:
+        comm.allreduce(np.ones(4, np.float32), timeout=10)
+    return str(failed.value)
+
+
+def test_a_timeout_in_the_lane_fails_every_rank() -> None:
+    results = run_ranks(2, body_timeout)
+    assert "within its timeout of 0.3 s on rank 0" in results[0], results[0]
+    assert "still waiting for rank 1" in results[0], results[0]
+    assert "timeout" in results[1], results[1]
+
+
+def body_killed(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank 2 SIGKILLs itself while the others wait in the lane for its contribution."""
+    comm.allreduce(np.ones(4, np.float32))
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ar.BrokenError) as caught:
+        comm.allreduce(np.ones(4, np.float32))
+    return {"took": time.monotonic() - start, "message": str(caught.value)}
+
+
+def test_a_peer_killed_while_the_others_wait_in_the_lane_breaks_them() -> None:
+    results = run_ranks(3, body_killed, expect_dead=frozenset({2}))
+    for rank in (0, 1):
+        assert "rank 2" in results[rank]["message"], results[rank]
+        assert results[rank]["took"] < 10, results[rank]
+
+
+def body_callback_and_close(comm: ar.Communicator) -> dict[str, Any]:
+    """A lane allreduce nobody waits on completes by the progress thread and runs its
+    callback; then rank 0 posts one that rank 1 never posts, and closes: it fails with
+    ClosedError."""
+    fired = threading.Event()
+    request = comm.iallreduce(np.full(4, float(comm.rank), np.float32))
+    request.add_done_callback(lambda _: fired.set())
+    concurrent.futures.wait([request], timeout=10)  # no driver: only the progress thread
+    outcome: dict[str, Any] = {"callback": fired.wait(5), "value": request.result(0).tolist()}
+    comm.barrier(name="before-close")
+    if comm.rank == 0:
+        pending = comm.iallreduce(np.ones(4, np.float32))
+        comm.close()
+        outcome["closed"] = type(pending.exception(timeout=5)).__name__
+    else:
+        time.sleep(1.0)  # closing later, so rank 0's own close is what fails its operation
+    return outcome
+
+
+def test_the_progress_thread_completes_what_nobody_waits_on_and_close_fails_the_rest() -> None:
+    results = run_ranks(2, body_callback_and_close)
+    for got in results.values():
+        assert got["callback"] and got["value"] == [1.0] * 4, got
+    assert results[0]["closed"] == "ClosedError"
+
+
+def body_lane_state(comm: ar.Communicator) -> bool:
+    assert comm.allreduce(np.ones(4, np.float32)).tolist() == [comm.world_size] * 4
+    return _lane_of(comm) is not None
+
+
+@pytest.mark.parametrize("env", [{"ASYNCREDUCE_LANE": "0"}, {"ASYNCREDUCE_SPIN_US": "0"}])
+def test_one_rank_that_does_not_want_the_lane_turns_it_off_everywhere(env: dict[str, str]) -> None:
+    assert run_ranks(2, body_lane_state, rank_env={1: env}) == {0: False, 1: False}
+    assert run_ranks(2, body_lane_state) == {0: True, 1: True}

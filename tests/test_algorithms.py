@@ -67,10 +67,13 @@ BIG = 1_000_003
 
 
 def fast(max_examples: int) -> settings:
+    """``max_examples`` drawn alike in every run (CI stays reproducible), or new ones each run
+    where ASYNCREDUCE_FUZZ=1 (the search for new failures: README, "Long runs")."""
     return settings(
         max_examples=max_examples,
         deadline=None,
         database=None,
+        derandomize=not os.environ.get("ASYNCREDUCE_FUZZ"),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 

@@ -35,6 +35,9 @@ from typing import Any
 import numpy as np
 
 from .algorithms import Array, ProtocolError
+from .algorithms.reduction import DTYPES
+
+_WIDEST = max(d.itemsize for d in DTYPES.values())  # complex128: one element of any dtype
 
 __all__ = ["CrossMemory", "PeerMemoryError", "available", "owned_by_me", "probe", "read_into"]
 
@@ -107,7 +110,7 @@ class CrossMemory:
     def __init__(self, pids: Mapping[int, int], piece_bytes: int = PIECE_BYTES) -> None:
         self._pids = dict(pids)
         # one engine thread reads at a time; room for at least one element of any dtype
-        self._scratch = np.empty(max(piece_bytes, 8), np.uint8)
+        self._scratch = np.empty(max(piece_bytes, _WIDEST), np.uint8)
 
     @staticmethod
     def announce(buffer: Array) -> int:

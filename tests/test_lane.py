@@ -138,6 +138,8 @@ def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine() 
     second = [lane_op(1, np.full(4, r, np.float32)) for r in range(3)]
     for r, op in enumerate(second):
         world.lanes[r].post(op)
+    for lane in world.lanes:
+        lane.progress()
     for op in second:
         assert op.request.result(timeout=0).tolist() == [3.0] * 4
 
@@ -229,14 +231,14 @@ def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int) -> Non
 def body_mixed_with_the_engine(comm: ar.Communicator) -> list[float]:
     """Unnamed operations of every path in one sequence (small and large allreduces,
     broadcasts, barriers), many in flight, rank 1 starting 0.3 s late and more than SLOTS
-    behind; meanwhile a thread runs named allreduces in an order of its own per rank."""
+    behind; meanwhile a thread posts named allreduces in an order of its own per rank."""
     r, n = comm.rank, comm.world_size
     names = [f"named{i}" for i in range(20)]
     random.Random(r).shuffle(names)
 
     def named() -> None:
-        for name in names:
-            assert comm.allreduce(np.ones(8, np.float32), name=name).tolist() == [n] * 8
+        posted = [comm.iallreduce(np.ones(8, np.float32), name=name) for name in names]
+        assert [q.wait(timeout=30).tolist() for q in posted] == [[n] * 8] * len(names)
 
     side = threading.Thread(target=named)
     side.start()

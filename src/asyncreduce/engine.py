@@ -96,10 +96,9 @@ class Engine(FrameSink):
     def refusal(self, label: str) -> BaseException | None:
         """Why a new post of the whole communicator must fail at once (closed, broken, a
         peer said goodbye), if it must: what ``submit`` raises, for the lane's posts."""
-        with self._lock:
-            if self._closing.is_set():
-                return ClosedError(f"{label}: the communicator is closed")
-            return self.session.refusal(label, None)
+        if self._closing.is_set():  # (no lock: the lane refuses posts once closed itself)
+            return ClosedError(f"{label}: the communicator is closed")
+        return self.session.refusal(label, None)
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""

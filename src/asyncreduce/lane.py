@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,27 +62,22 @@ def lane_wanted(settings: Settings) -> bool:
     return supported() and settings.spin > 0 and env_number("ASYNCREDUCE_LANE", 1, int, 0) > 0
 
 
-@dataclass(eq=False)
 class LaneOp:
-    """One unnamed small allreduce in the lane."""
+    """One unnamed small allreduce in the lane (``fields``: its descriptor as the mailbox's
+    words; ``deadline``: monotonic, 0 for none)."""
 
-    key: Key
-    label: str
-    desc: Descriptor
-    buf: Buffer
-    op: str
-    result: Callable[[], Any]
-    request: Request[Any]
-    timeout: float | None
-    deadline: float = 0.0
-    fields: list[int] = field(default_factory=list, init=False)  # the descriptor, as words
+    __slots__ = ("key", "seq", "label", "desc", "fields", "buf", "op", "result", "request",
+                 "timeout", "deadline")  # fmt: skip
 
-    def __post_init__(self) -> None:
-        self.fields = list(self.desc)
-
-    @property
-    def seq(self) -> int:
-        return self.key[1]
+    def __init__(
+        self, key: Key, label: str, desc: Descriptor, buf: Buffer, op: str,
+        result: Callable[[], Any], request: Request[Any], timeout: float | None,
+    ) -> None:  # fmt: skip
+        self.key, self.seq, self.label, self.desc = key, key[1], label, desc
+        self.fields = list(desc)
+        self.buf, self.op, self.result, self.request = buf, op, result, request
+        self.timeout = timeout
+        self.deadline = 0.0 if timeout is None else time.monotonic() + timeout
 
 
 class Lane:
@@ -126,8 +120,6 @@ class Lane:
         with self._lock:
             if self._closed is not None:
                 raise ClosedError(f"{op.label}: the communicator is closed")
-            if op.timeout is not None:
-                op.deadline = time.monotonic() + op.timeout
             self._pending[op.seq] = op
             self._unpublished[op.seq] = (op.desc, op)
             self._advance()
@@ -209,11 +201,19 @@ class Lane:
     def _advance(self) -> None:
         mailbox = self.mailbox
         while self._next in self._unpublished and mailbox.free(self._next):
-            desc, op = self._unpublished.pop(self._next)
-            raw = None if op is None else op.buf.flat.view(np.uint8)
-            mailbox.publish(self._next, list(desc) if op is None else op.fields, raw)
+            desc, posted = self._unpublished.pop(self._next)
+            if posted is None:
+                mailbox.publish(self._next, list(desc), None)
+            else:
+                mailbox.publish(self._next, posted.fields, posted.buf.flat.view(np.uint8))
             self._next += 1
             self.moved_at = time.monotonic()
+        pending = self._pending
+        if len(pending) == 1:  # the usual case: no list, no sort
+            op = next(iter(pending.values()))
+            if op.seq < self._next:
+                self._complete(op)
+            return
         for op in self._ordered():
             if op.seq >= self._next or not self._complete(op):
                 break  # peers publish in order: nothing later is ready either
@@ -245,13 +245,14 @@ class Lane:
         return True
 
     def _done_with(self, seq: int) -> None:
-        self._finished.add(seq)
-        moved = self._through
+        if seq != self._through:  # an earlier one is not done yet
+            self._finished.add(seq)
+            return
+        self._through += 1
         while self._through in self._finished:
             self._finished.discard(self._through)
             self._through += 1
-        if self._through != moved:
-            self.mailbox.done_through(self._through)
+        self.mailbox.done_through(self._through)
 
     def _fail(self, op: LaneOp, error: BaseException) -> None:
         if self._pending.pop(op.seq, None) is None:

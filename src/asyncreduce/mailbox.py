@@ -15,10 +15,10 @@ stamp (``seq + 1``) last; a reader reads the stamp first. On x86-64 stores are s
 order they are made and loads are not reordered with loads, and numpy makes each store in its
 own call, so a reader that sees the stamp sees what came before it. (Other CPUs would need
 fences: ``supported`` says where mailboxes are used.) Each rank's counter ``through`` says
-how many of its peers' unnamed operations it is done with: every one below it has been read
-(or never needs to be). The owner reuses a slot for ``seq`` only once every peer is through
-``seq - SLOTS``, so nothing a reader may still read is ever overwritten, and the reader needs
-no lock and no second look.
+how many unnamed operations it is done with: for every one below it, it has read all it
+needs (or never needed to). The owner reuses a slot for ``seq`` only once every rank, itself
+included, is through ``seq - SLOTS``, so nothing a reader may still read is ever overwritten,
+and the reader needs no lock and no second look.
 
 Nothing here blocks, sleeps or knows about threads: lane.py drives it. What a peer wrote is
 checked before use: a slot is read only if its stamp is the operation's, and its data only
@@ -92,12 +92,13 @@ class Mailbox:
         return list(self._peers)
 
     def free(self, seq: int) -> bool:
-        """Whether slot ``seq % SLOTS`` may take ``seq``: every peer is done with what it
-        held (``seq - SLOTS``)."""
+        """Whether slot ``seq % SLOTS`` may take ``seq``: every rank, this one included (it
+        combines its own contribution from the slot), is done with what it held
+        (``seq - SLOTS``)."""
         oldest = seq - SLOTS
         if oldest < 0:
             return True
-        return all(words[0] > oldest for words in self._peer_words)
+        return self._mine.words[0] > oldest and all(w[0] > oldest for w in self._peer_words)
 
     def publish(self, seq: int, fields: list[int], data: Array | None) -> None:
         """Put ``seq``'s descriptor (its five ``fields``) and this rank's contribution (raw

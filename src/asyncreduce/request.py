@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from . import forks
 from .errors import UsageError
@@ -29,6 +29,7 @@ __all__ = ["Request", "CallbackRunner", "wait_all", "wait_any"]
 log = logging.getLogger("asyncreduce")
 T = TypeVar("T")
 _STOP = object()
+_FINISHED = concurrent.futures._base.FINISHED
 
 
 class CallbackRunner:
@@ -116,7 +117,10 @@ class Request(concurrent.futures.Future[T], Generic[T]):
             self.driver(self, timeout)
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
-        value = super().result(timeout)
+        if self._state == _FINISHED and self._exception is None:
+            value = cast(T, self._result)  # done: no lock needed (set before the state, under it)
+        else:
+            value = super().result(timeout)
         if self.on_wait is not None:
             self.on_wait()
         return value

@@ -14,8 +14,10 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
 * **call**: the posting thread's part, ``iallreduce`` up to the engine's queue (the engine's
   ``submit`` replaced by one that completes the request at once, after the real runs).
 * **whole**: ``allreduce`` in a loop on N real ranks (``asyncreduce run``): the latency, and the
-  CPU each rank's process used per operation (all its threads), with the progress thread's
-  busy-poll (``ASYNCREDUCE_SPIN_US`` default) and without it (0).
+  CPU each rank's process used per operation (all its threads), through the same-host lane
+  (the default: shared-memory mailboxes, no frame), through the engine with the progress
+  thread's busy-poll (``ASYNCREDUCE_LANE=0``), and through the engine without it
+  (``ASYNCREDUCE_SPIN_US=0``, which turns the lane off too).
 
 Run: ``asyncreduce bench small_ops [--size 4K] [--nprocs 2,4] [--json FILE]``. The numbers are
 medians of ``--repeats`` runs; absolute values differ several-fold between machines, so read
@@ -43,6 +45,11 @@ import harness  # noqa: E402
 _ROUNDS = 2000  # operations per measurement
 _WARMUP = 200
 _MARK = "SMALL_OPS "  # prefixes the one line a rank of ``whole`` reports
+_PATHS = (  # the whole allreduce's paths: variables, key, label
+    ({}, "lane", "same-host lane"),
+    ({"ASYNCREDUCE_LANE": "0"}, "spin", "engine, busy-polling"),
+    ({"ASYNCREDUCE_SPIN_US": "0"}, "sleep", "engine, sleeping, SPIN_US=0"),
+)
 
 
 def floor_us(nbytes: int, busy: bool) -> float:
@@ -160,12 +167,11 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
     return elapsed / _ROUNDS / world * 1e6
 
 
-def whole(nbytes: int, nprocs: int, spin: str | None, call: bool) -> dict[str, float]:
-    """Latency and CPU per rank per operation from N real ranks under ``asyncreduce run``;
-    with ``call``, also the posting call alone (rank 0, afterwards)."""
-    env = dict(os.environ)
-    if spin is not None:
-        env["ASYNCREDUCE_SPIN_US"] = spin
+def whole(nbytes: int, nprocs: int, setting: dict[str, str], call: bool) -> dict[str, float]:
+    """Latency and CPU per rank per operation from N real ranks under ``asyncreduce run``
+    with the variables ``setting``; with ``call``, also the posting call alone (rank 0,
+    afterwards)."""
+    env = {**os.environ, **setting}
     command = [sys.executable, "-m", "asyncreduce", "run", "-n", str(nprocs), __file__,
                "--rank", str(nbytes)] + (["--call"] if call else [])  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -235,10 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("protocol_cpu", "protocol alone, CPU per rank (2 Sessions, 1 thread)",
                  median(protocol_us, nbytes)))  # fmt: skip
     for n in args.nprocs:
-        paths = ((None, "spin", "busy-polling"), ("0", "sleep", "sleeping, SPIN_US=0"))
-        for spin, tag, what in paths:
-            call = n == args.nprocs[0] and spin is None  # the call once: it has no peers
-            runs = [whole(nbytes, n, spin, call) for _ in range(args.repeats)]
+        for setting, tag, what in _PATHS:
+            call = n == args.nprocs[0] and tag == "spin"  # the call once: it has no peers
+            runs = [whole(nbytes, n, setting, call) for _ in range(args.repeats)]
             for key, label in (("latency_us", "latency"), ("cpu_us", "CPU per rank")):
                 rows.append((f"n{n}_{tag}_{key[:-3]}", f"whole allreduce N={n}, {what}: {label}",
                              statistics.median(r[key] for r in runs)))  # fmt: skip
@@ -246,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(("call", "posting call (iallreduce up to the engine's queue)",
                              statistics.median(r["call_us"] for r in runs)))  # fmt: skip
     print(harness.machine_line(machine))
-    print(f"where a {harness.format_size(nbytes)} float32 allreduce's time goes (one host, "
-          f"loopback TCP; median of {args.repeats})")  # fmt: skip
+    print(f"where a {harness.format_size(nbytes)} float32 allreduce's time goes (one host; the "
+          f"engine over loopback TCP; median of {args.repeats})")  # fmt: skip
     width = max(len(label) for _, label, _ in rows)
     print(f"{'part':<{width}}  {'us':>8}")
     for _, label, value in rows:

@@ -68,7 +68,7 @@ BIG = 1_000_003
 
 def fast(max_examples: int) -> settings:
     """``max_examples`` drawn alike in every run (CI stays reproducible), or new ones each run
-    where ASYNCREDUCE_FUZZ=1 (the search for new failures: README, "Long runs")."""
+    where ASYNCREDUCE_FUZZ=1 (the search for new failures: README, "Tests")."""
     return settings(
         max_examples=max_examples,
         deadline=None,

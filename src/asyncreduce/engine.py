@@ -66,6 +66,7 @@ class Engine(FrameSink):
         self._aborting: str | None = None  # abort(reason) was asked for
         self._closing = threading.Event()  # close() or abort() was called
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
+        self._dozing = False  # and for longer than the lane's nap: a lane post must (nudge)
         self._applying = False  # commands are being applied (a send may report itself sent)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
@@ -99,6 +100,15 @@ class Engine(FrameSink):
         if self._closing.is_set():  # (no lock: the lane refuses posts once closed itself)
             return ClosedError(f"{label}: the communicator is closed")
         return self.session.refusal(label, None)
+
+    def nudge(self) -> None:
+        """The lane has work this thread must look at: wake it if it sleeps for longer than
+        the lane's nap (it read the lane idle). No lost wake-up: ``_poll`` reads the lane and
+        sets ``_dozing`` under the lock this reads it under."""
+        with self._lock:
+            dozing = self._dozing
+        if dozing:
+            self.transport.wakeup()
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""
@@ -223,19 +233,20 @@ class Engine(FrameSink):
             return
         now = time.monotonic()
         lane = self.lane
-        laned = lane is not None and lane.busy
-        if now < self.session.spin_until or (
-            laned and not lane.drivers and now - lane.moved_at < _LANE_SPIN  # type: ignore[union-attr]
+        if now < self.session.spin_until or (  # the lane moved lately, and nobody waits on it
+            lane is not None and lane.busy and not lane.drivers and now - lane.moved_at < _LANE_SPIN
         ):
             self.transport.poll(0.0)
             os.sched_yield()
             return
         with self._lock:
             self._sleeping = True
-            empty = not self._submitted
-        timeout = self.session.liveness.timeout(now) if empty else 0.0
-        self.transport.poll(min(timeout, _LANE_NAP) if laned else timeout)
-        self._sleeping = False
+            timeout = self.session.liveness.timeout(now) if not self._submitted else 0.0
+            if lane is not None and lane.busy:  # read again under the lock: see ``nudge``
+                timeout = min(timeout, _LANE_NAP)
+            self._dozing = timeout > _LANE_NAP
+        self.transport.poll(timeout)
+        self._sleeping = self._dozing = False
 
     def _apply(self, each_alone: bool = False) -> None:
         """Carry out the session's commands, in order. A send may report itself sent at once,

@@ -86,11 +86,12 @@ class Lane:
 
     def __init__(
         self, mailbox: Mailbox, rank: int, world_size: int,
-        convert: Callable[[LaneOp], None],
+        convert: Callable[[LaneOp], None], wake: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
         self.mailbox = mailbox
         self.rank, self.world_size = rank, world_size
         self._convert = convert
+        self._wake = wake  # tells the progress thread the lane has work (Engine.nudge)
         self._lock = threading.Lock()
         self._unpublished: dict[int, tuple[Descriptor, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
@@ -123,13 +124,21 @@ class Lane:
             self._pending[op.seq] = op
             self._unpublished[op.seq] = (op.desc, op)
             self._advance()
+            waiting = op.seq in self._pending
+        if waiting:
+            self._wake()  # someone must look again even if nobody waits on the request
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
         with self._lock:
+            if self._closed is not None:
+                return  # (the engine refuses the operation itself)
             self._unpublished[seq] = (desc, None)
             self._done_with(seq)
             self._advance()
+            waiting = bool(self._unpublished)
+        if waiting:
+            self._wake()
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Move the lane from the waiting thread until ``request`` is done, for at most
@@ -192,13 +201,19 @@ class Lane:
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)``; later posts raise ClosedError."""
         with self._lock:
+            if self._closed is not None:
+                return
             self._closed = ClosedError("the communicator is closed")
             for op in self._ordered():
                 self._fail(op, error(op))
+            self._unpublished.clear()  # nobody will read them: the peers hear of the close
+            self.mailbox.release()
 
     # ---- under the lock --------------------------------------------------------------------
 
     def _advance(self) -> None:
+        if self._closed is not None:
+            return  # (a waiter may still drive: its request failed already)
         mailbox = self.mailbox
         while self._next in self._unpublished and mailbox.free(self._next):
             desc, posted = self._unpublished.pop(self._next)

@@ -136,6 +136,14 @@ class Mailbox:
         slot = seq % SLOTS
         return [slots[slot][:nbytes] for slots in self._slots]
 
+    def release(self) -> None:
+        """Let go of every mapping (the lane closed): each holds a file descriptor until the
+        last view of it is gone, and a communicator's may not wait for the garbage collector."""
+        for region in (self._mine, *self._peers.values()):
+            region.words.release()
+            region.slots.clear()
+        self._peers, self._peer_words, self._slots = {}, [], []
+
     def done_through(self, seq: int) -> None:
         """Tell the peers this rank is done with every operation below ``seq``."""
         self._mine.words[0] = seq

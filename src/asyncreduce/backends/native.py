@@ -99,7 +99,8 @@ class NativeBackend(EngineBackend):
     def open_lane(self, mailbox: Mailbox) -> None:
         """Send the world's unnamed small allreduces through ``mailbox`` from now on (every
         rank switches at the same point: after the collective that made the mailboxes)."""
-        self.lane = self.engine.lane = Lane(mailbox, self.rank, self.world_size, self.convert)
+        self.lane = self.engine.lane = Lane(mailbox, self.rank, self.world_size, self.convert,
+                                            self.engine.nudge)  # fmt: skip
 
     def convert(self, op: LaneOp) -> None:
         """Run a lane operation on the engine after all (a peer runs it there, or disagrees

@@ -44,6 +44,8 @@ _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 _LANE_SPIN = 250e-6  # how long this thread polls the lane after it last moved, if nobody waits
 _LANE_NAP = 1e-3  # its longest sleep while the lane has work
+_LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thread (a waiter,
+# test() or a callback does, see Request), so an operation nobody looks at waits this long
 _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
 
 
@@ -242,8 +244,8 @@ class Engine(FrameSink):
         with self._lock:
             self._sleeping = True
             timeout = self.session.liveness.timeout(now) if not self._submitted else 0.0
-            if lane is not None and lane.busy:  # read again under the lock: see ``nudge``
-                timeout = min(timeout, _LANE_NAP)
+            if lane is not None:  # read under the lock: see ``nudge``
+                timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
             self._dozing = timeout > _LANE_NAP
         self.transport.poll(timeout)
         self._sleeping = self._dozing = False

@@ -91,7 +91,7 @@ class Lane:
         self.mailbox = mailbox
         self.rank, self.world_size = rank, world_size
         self._convert = convert
-        self._wake = wake  # tells the progress thread the lane has work (Engine.nudge)
+        self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
         self._unpublished: dict[int, tuple[Descriptor, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
@@ -124,9 +124,6 @@ class Lane:
             self._pending[op.seq] = op
             self._unpublished[op.seq] = (op.desc, op)
             self._advance()
-            waiting = op.seq in self._pending
-        if waiting:
-            self._wake()  # someone must look again even if nobody waits on the request
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
@@ -136,9 +133,6 @@ class Lane:
             self._unpublished[seq] = (desc, None)
             self._done_with(seq)
             self._advance()
-            waiting = bool(self._unpublished)
-        if waiting:
-            self._wake()
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Move the lane from the waiting thread until ``request`` is done, for at most
@@ -159,6 +153,20 @@ class Lane:
         finally:
             with self._lock:
                 self.drivers -= 1
+        if not request.done():
+            self._wake()  # it waits on the progress thread now: that must not doze
+
+    def poke(self) -> None:
+        """One look (``Request.test``), unless another thread is moving the lane."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._advance()
+            finally:
+                self._lock.release()
+
+    def wake(self) -> None:
+        """Have the progress thread look soon (a request nobody may wait on)."""
+        self._wake()
 
     # ---- the progress thread ---------------------------------------------------------------
 

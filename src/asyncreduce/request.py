@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from . import forks
 from .errors import UsageError
@@ -75,6 +75,19 @@ def _call(fn: Callable[[Any], object], arg: Any) -> None:
         log.exception("exception in a request's done-callback %r", fn)
 
 
+class Mover(Protocol):
+    """What moves an operation that no engine thread owns (the same-host lane, lane.py)."""
+
+    def drive(self, request: Request[Any], timeout: float | None) -> None:
+        """Move it from the waiting thread for a while (at most ``timeout``)."""
+
+    def poke(self) -> None:
+        """Move it once, if nobody else is moving it, without waiting."""
+
+    def wake(self) -> None:
+        """Have the progress thread look soon: nobody may wait on it."""
+
+
 class Request(concurrent.futures.Future[T], Generic[T]):
     """The pending result of one operation (see the module docstring)."""
 
@@ -85,8 +98,7 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.completed_at: float | None = None  # when the result came, for timelines and stats
         self._runner = runner
         self._generation = forks.generation()
-        self.driver: Callable[[Request[T], float | None], None] | None = None  # set by the
-        # same-host lane (lane.py): moves the operation from the waiting thread for a while
+        self.mover: Mover | None = None  # the same-host lane, for its operations (lane.py)
         self.on_wait: Callable[[], object] | None = None  # set by a device engine: orders
         # the waiting thread's GPU stream after the result (see ordered/torchdist.py)
         self._state = concurrent.futures._base.RUNNING  # (what set_running_or_notify_cancel
@@ -112,9 +124,9 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """The result (``concurrent.futures.Future.result``); on a device engine, this thread's
         current stream is ordered after it, however the result is asked for."""
-        if self.driver is not None and not self.done():
+        if self.mover is not None and not self.done():
             started = time.monotonic()
-            self.driver(self, timeout)
+            self.mover.drive(self, timeout)
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
         if self._state == _FINISHED and self._exception is None:
@@ -130,13 +142,24 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.completed_at = time.perf_counter()
         super().set_result(result)
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The operation's error, or None (``concurrent.futures.Future.exception``)."""
+        if self.mover is not None and not self.done():
+            self.mover.wake()
+        return super().exception(timeout)
+
     def test(self) -> bool:
-        """True once the operation has completed (successfully or not); never blocks."""
+        """True once the operation has completed (successfully or not); never blocks. Like
+        MPI_Test it moves the operation if it can (the same-host lane's: one look)."""
+        if self.mover is not None and not self.done():
+            self.mover.poke()
         return self.done()
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
         """Call ``fn(request)`` once done, on the communicator's callback thread."""
         super().add_done_callback(lambda f: self._runner.submit(fn, f))
+        if self.mover is not None and not self.done():
+            self.mover.wake()  # nobody may wait: the progress thread must look soon
 
     def __await__(self) -> Generator[Any, None, T]:
         return asyncio.wrap_future(self).__await__()
@@ -160,6 +183,9 @@ def wait_any(requests: Sequence[Request[Any]], timeout: float | None = None) -> 
     """Wait until one request completes; return (its index, its result)."""
     if not requests:
         raise UsageError("wait_any needs at least one request")
+    for request in requests:
+        if isinstance(request, Request) and request.mover is not None and not request.done():
+            request.mover.wake()
     done, _ = concurrent.futures.wait(requests, timeout, concurrent.futures.FIRST_COMPLETED)
     if not done:
         raise TimeoutError(f"none of {len(requests)} requests completed within {timeout} s")

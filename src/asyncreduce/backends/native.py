@@ -92,7 +92,7 @@ class NativeBackend(EngineBackend):
             raise refused
         desc = plan.descriptor(0, plan.buf.dtype.code)
         log_post(self.rank, label, desc)
-        request.driver = lane.drive
+        request.mover = lane
         lane.post(LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, request,
                          timeout))  # fmt: skip
 

@@ -77,7 +77,7 @@ class _AsyncReduce(_Backend):
     def algorithm(self, nbytes: int) -> str:
         # read at run time: the thresholds are the library's to change
         if nbytes <= self._algorithms.SMALL_ALLREDUCE_BYTES:
-            return "doubling"
+            return "lane" if self._comm.data_plane.lane else "doubling"
         cross = self._comm.data_plane.cross_memory  # every rank may read the others' memory
         return "cma" if cross and nbytes >= self._algorithms.CROSS_MEMORY_BYTES else "ring"
 
@@ -87,7 +87,7 @@ class _AsyncReduce(_Backend):
 
 class _Window(_AsyncReduce):
     """asyncreduce with every buffer in a shared window: above SMALL_ALLREDUCE_BYTES no
-    payload crosses a socket; below, recursive doubling as for any buffer."""
+    payload crosses a socket; below, the path of any buffer (the lane, or doubling)."""
 
     def array(self, count: int) -> Any:
         x = self._comm.shared_empty(count, np.float32)
@@ -95,7 +95,9 @@ class _Window(_AsyncReduce):
         return x
 
     def algorithm(self, nbytes: int) -> str:
-        return "window" if nbytes > self._algorithms.SMALL_ALLREDUCE_BYTES else "doubling"
+        return "window" if nbytes > self._algorithms.SMALL_ALLREDUCE_BYTES else super().algorithm(
+            nbytes
+        )
 
 
 class _Gloo(_Backend):

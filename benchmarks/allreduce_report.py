@@ -85,8 +85,9 @@ def _machine_line(machine: dict[str, Any]) -> str:
         f"torch {machine['torch'] or 'not installed'}",
         f"mpi4py {machine['mpi4py'] or 'not installed'}",
         machine["open_mpi"] or "Open MPI not found",
-        f"asyncreduce {machine['asyncreduce']} (doubling up to "
-        f"{format_size(machine['small_allreduce_bytes'])}, ring above; cma, where the ranks "
+        f"asyncreduce {machine['asyncreduce']} (up to "
+        f"{format_size(machine['small_allreduce_bytes'])} the same-host lane where all ranks "
+        "share a host, else recursive doubling; ring above; cma, where the ranks "
         f"may read each other's memory, from {format_size(machine.get('cross_memory_bytes', 0))})",
     ]
     return "machine: " + "; ".join(parts)

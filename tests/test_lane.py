@@ -383,7 +383,8 @@ def test_the_progress_thread_completes_what_nobody_waits_on_and_close_fails_the_
 
 def body_lane_state(comm: ar.Communicator) -> bool:
     assert comm.allreduce(np.ones(4, np.float32)).tolist() == [comm.world_size] * 4
-    return _lane_of(comm) is not None
+    assert comm.data_plane.lane == (_lane_of(comm) is not None)
+    return comm.data_plane.lane
 
 
 @pytest.mark.parametrize("env", [{"ASYNCREDUCE_LANE": "0"}, {"ASYNCREDUCE_SPIN_US": "0"}])

@@ -43,13 +43,15 @@ class DataPlane:
     ``cross_memory``: large allreduces of ordinary buffers read the peers' memory in place
     (cross-memory attach). ``windows``: ``shared_empty`` returns shared windows, whose
     allreduces move no payload. ``control``: where an ordered engine's agreement messages
-    travel ("mpi" or "native"; "" for the native engine and a world of one)."""
+    travel ("mpi" or "native"; "" for the native engine and a world of one). ``lane``:
+    unnamed allreduces of up to 64 KiB take the same-host lane (lane.py)."""
 
     engine: str
     shared_memory: bool = False
     cross_memory: bool = False
     windows: bool = False
     control: str = ""
+    lane: bool = False
 
 
 class SharedPlanes:

@@ -12,6 +12,7 @@ engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..algorithms import Collective, Translated, build
@@ -120,7 +121,7 @@ class NativeBackend(EngineBackend):
 
     @property
     def data_plane(self) -> DataPlane:
-        return self.planes.data_plane("native")
+        return dataclasses.replace(self.planes.data_plane("native"), lane=self.lane is not None)
 
 
 class LocalBackend:

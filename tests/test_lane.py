@@ -36,6 +36,7 @@ from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
 
 RUNNER = CallbackRunner("test-lane")
+BULK_FLOATS = 4 << 20  # 16 MiB: the engine's bulk path beside the lane
 
 
 # ---- one process: lanes over plain arrays -------------------------------------------------
@@ -231,14 +232,18 @@ def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int) -> Non
 def body_mixed_with_the_engine(comm: ar.Communicator) -> list[float]:
     """Unnamed operations of every path in one sequence (small and large allreduces,
     broadcasts, barriers), many in flight, rank 1 starting 0.3 s late and more than SLOTS
-    behind; meanwhile a thread posts named allreduces in an order of its own per rank."""
+    behind; meanwhile a thread posts named allreduces in an order of its own per rank, small
+    ones and 16 MiB ones."""
     r, n = comm.rank, comm.world_size
     names = [f"named{i}" for i in range(20)]
     random.Random(r).shuffle(names)
 
     def named() -> None:
         posted = [comm.iallreduce(np.ones(8, np.float32), name=name) for name in names]
+        bulk = [comm.iallreduce(np.ones(BULK_FLOATS, np.float32), name=f"bulk{i}")
+                for i in range(3)]  # fmt: skip
         assert [q.wait(timeout=30).tolist() for q in posted] == [[n] * 8] * len(names)
+        assert all(float(q.wait(timeout=60)[-1]) == n for q in bulk)
 
     side = threading.Thread(target=named)
     side.start()

@@ -101,7 +101,10 @@ class Engine(FrameSink):
         peer said goodbye), if it must: what ``submit`` raises, for the lane's posts."""
         if self._closing.is_set():  # (no lock: the lane refuses posts once closed itself)
             return ClosedError(f"{label}: the communicator is closed")
-        return self.session.refusal(label, None)
+        session = self.session
+        if session.broken is None and not session.liveness.departed:
+            return None  # the usual case, asked for every lane post: nothing built
+        return session.refusal(label, None)
 
     def nudge(self) -> None:
         """The lane has work this thread must look at: wake it if it sleeps for longer than

@@ -8,7 +8,8 @@ the engine; a slot is reused only once every peer is through it. On real process
 lane is what unnamed small allreduces take (and only they), with every dtype and reduction;
 it interleaves with the engine's operations and with named ones in another order; and every
 failure reaches every rank as it does on the engine: a size or dtype that differs
-(MismatchError), a timeout, a peer killed, a close with an operation pending. Where one rank
+(MismatchError), a timeout, a peer killed, a peer stopped (silent past the peer timeout), a
+close with an operation pending. Where one rank
 does not want the lane (ASYNCREDUCE_LANE=0, or no spinning), nobody uses it.
 """
 
@@ -396,3 +397,27 @@ def body_lane_state(comm: ar.Communicator) -> bool:
 def test_one_rank_that_does_not_want_the_lane_turns_it_off_everywhere(env: dict[str, str]) -> None:
     assert run_ranks(2, body_lane_state, rank_env={1: env}) == {0: False, 1: False}
     assert run_ranks(2, body_lane_state) == {0: True, 1: True}
+
+
+def body_stopped(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank 2 SIGSTOPs itself (alive, silent) while the others wait in the lane for it; they
+    fail with TimeoutError naming it after the peer timeout (1 s), and rank 0 kills it."""
+    pids = comm.allgather(np.array([os.getpid()], np.int64))
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        comm.allreduce(np.ones(4, np.float32))
+    took = time.monotonic() - start
+    if comm.rank == 0:
+        os.kill(int(pids[2][0]), signal.SIGKILL)
+    return {"took": took, "message": str(caught.value)}
+
+
+def test_a_stopped_peer_fails_the_lane_after_the_peer_timeout() -> None:
+    results = run_ranks(3, body_stopped, env={"ASYNCREDUCE_PEER_TIMEOUT": "1"},
+                        expect_dead=frozenset({2}))  # fmt: skip
+    for rank in (0, 1):
+        got = results[rank]
+        assert "rank 2" in got["message"] and "heartbeat" in got["message"], got
+        assert 0.9 < got["took"] < 6, got

@@ -220,7 +220,11 @@ class OrderedEngine:
         try:
             return self._read_channel()
         except Exception as exc:  # (a lost peer in the native endpoint, an MPI error, ...)
-            self._break(BrokenError(f"rank {self.rank}: the control channel failed: {exc}"))
+            why = f"rank {self.rank}: the control channel failed: {exc}"
+            if isinstance(exc, TimeoutError):  # the channel found a silent peer first
+                self._fail_silent(why)
+            else:
+                self._break(BrokenError(why))
             return True
 
     def _read_channel(self) -> bool:
@@ -383,10 +387,15 @@ class OrderedEngine:
         if self._broken is not None or not (self._posted or self._calls):
             return
         why = self._liveness.silence(now, self._departed)
-        if why is not None:  # what waits fails with the TimeoutError itself, as natively
-            for op in self._pending():
-                self._fail(op, TimeoutError(f"{op.label}: {why}"))
-            self._break(TimeoutError(why))
+        if why is not None:
+            self._fail_silent(why)
+
+    def _fail_silent(self, why: str) -> None:
+        """A peer is silent (seen here, or by the control channel, whichever first): what
+        waits fails with the TimeoutError itself, as natively, then the engine breaks."""
+        for op in self._pending():
+            self._fail(op, TimeoutError(f"{op.label}: {why}"))
+        self._break(TimeoutError(why))
 
     def _waiting_for(self, op: Posted) -> str:
         if op.key in self._posted:

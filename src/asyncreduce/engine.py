@@ -28,7 +28,7 @@ from .errors import BrokenError, ClosedError
 from .flight import FlightRecorder
 from .lane import Lane, LaneOp
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
-from .protocol.failure import broken_by
+from .protocol.failure import broken_by, closed_under
 from .protocol.operation import Operation, Settings
 from .protocol.session import Session
 from .protocol.wire import describe
@@ -85,10 +85,8 @@ class Engine(FrameSink):
     def submit(self, op: Operation) -> None:
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
-        with self._lock:
-            if self._closing.is_set():
-                raise ClosedError(f"{op.label}: the communicator is closed")
-            refusal = self.session.refusal(op.label, op.algo.other_ranks)
+        with self._lock:  # (a submit that checked before close() is taken: see _shut)
+            refusal = self.refusal(op.label, op.algo.other_ranks)
             if refusal is not None:
                 raise refusal
             self._submitted.append(op)
@@ -96,15 +94,16 @@ class Engine(FrameSink):
         if sleeping:
             self.transport.wakeup()
 
-    def refusal(self, label: str) -> BaseException | None:
-        """Why a new post of the whole communicator must fail at once (closed, broken, a
-        peer said goodbye), if it must: what ``submit`` raises, for the lane's posts."""
-        if self._closing.is_set():  # (no lock: the lane refuses posts once closed itself)
+    def refusal(self, label: str, peers: set[int] | None = None) -> BaseException | None:
+        """Why a new post that needs ``peers`` (None: every rank) must fail at once (closed,
+        broken, one of them said goodbye), if it must: what ``submit`` raises; the lane asks
+        it without the lock (it refuses posts itself once closed)."""
+        if self._closing.is_set():
             return ClosedError(f"{label}: the communicator is closed")
         session = self.session
         if session.broken is None and not session.liveness.departed:
-            return None  # the usual case, asked for every lane post: nothing built
-        return session.refusal(label, None)
+            return None  # the usual case, asked for every post: nothing built
+        return session.refusal(label, peers)
 
     def nudge(self) -> None:
         """The lane has work this thread must look at: wake it if it sleeps for longer than
@@ -193,9 +192,7 @@ class Engine(FrameSink):
         broken = self.session.broken
 
         def error(op: LaneOp) -> BaseException:
-            if broken is not None:
-                return broken_by(op, broken)
-            return ClosedError(f"{op.label}: the communicator was closed while it was pending")
+            return closed_under(op) if broken is None else broken_by(op, broken)
 
         self.lane.close(error)
 

@@ -44,10 +44,10 @@ import numpy as np
 from .algorithms.reduction import finalize, fold
 from .buffers import Buffer
 from .envvars import env_number
-from .errors import ClosedError, ranks_phrase
+from .errors import ClosedError
 from .keys import Key
 from .mailbox import AGREED, SLOT_BYTES, WAITING, Mailbox, supported
-from .protocol.failure import broken_by, same_error
+from .protocol.failure import broken_by, same_error, silent_for, timed_out
 from .protocol.operation import Settings
 from .protocol.session import Session
 from .request import Request
@@ -198,15 +198,10 @@ class Lane:
                 late = bool(op.deadline) and now >= op.deadline
                 missing = self.mailbox.missing(op.seq) if late or silent else set()
                 if late:
-                    why = (f"{op.label} did not complete within its timeout of {op.timeout} s "
-                           f"on rank {self.rank} (still waiting for {ranks_phrase(missing)})")
-                    self._fail_everywhere(session, op, TimeoutError(why))
+                    self._fail_everywhere(session, op, timed_out(op, self.rank, missing))
                 elif missing & silent:
-                    quiet = ranks_phrase(missing & silent)
-                    why = (f"{op.label} failed on rank {self.rank}: {quiet}"
-                           f" sent nothing for {session.settings.peer_timeout:g} s, not even a "
-                           "heartbeat (stopped, or cut off?)")
-                    self._fail_everywhere(session, op, TimeoutError(why))
+                    quiet, wait = missing & silent, session.settings.peer_timeout
+                    self._fail_everywhere(session, op, silent_for(op, self.rank, quiet, wait))
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)``; later posts raise ClosedError."""

@@ -87,10 +87,6 @@ class Mailbox:
         self._slots = [every[r].slots for r in sorted(every)]  # every rank's, in rank order
         self._mine.words[0] = 0
 
-    @property
-    def peers(self) -> list[int]:
-        return list(self._peers)
-
     def free(self, seq: int) -> bool:
         """Whether slot ``seq % SLOTS`` may take ``seq``: every rank, this one included (it
         combines its own contribution from the slot), is done with what it held

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import BrokenError
+from ..errors import BrokenError, ClosedError, ranks_phrase
 
-__all__ = ["broken_by", "same_error"]
+__all__ = ["broken_by", "closed_under", "same_error", "silent_for", "timed_out"]
 
 
 def broken_by(op: Any, cause: BaseException) -> BrokenError:
@@ -28,3 +28,20 @@ def same_error(error: BaseException, message: str) -> BaseException:
     new = type(error)(message)
     new.__cause__ = error
     return new
+
+
+def closed_under(op: Any) -> ClosedError:
+    """The error of an operation pending when its communicator was closed."""
+    return ClosedError(f"{op.label}: the communicator was closed while it was pending")
+
+
+def timed_out(op: Any, rank: int, waiting: set[int]) -> TimeoutError:
+    """The error of an operation past its own timeout on ``rank``, still ``waiting`` for."""
+    return TimeoutError(f"{op.label} did not complete within its timeout of {op.timeout} s on "
+                        f"rank {rank} (still waiting for {ranks_phrase(waiting)})")  # fmt: skip
+
+
+def silent_for(op: Any, rank: int, silent: set[int], peer_timeout: float) -> TimeoutError:
+    """The error of an operation on ``rank`` that waits for peers ``silent`` this long."""
+    return TimeoutError(f"{op.label} failed on rank {rank}: {ranks_phrase(silent)} sent nothing "
+                        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)")

@@ -28,13 +28,13 @@ from typing import Any
 
 from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, ProtocolError, Send
 from ..cma import PeerMemoryError
-from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
+from ..errors import BrokenError, MismatchError
 from ..flight import FlightRecorder, Record
 from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header, pack_header
 from . import commands as do
 from . import wire
 from .commands import CONTROL_PRIORITY, Command
-from .failure import broken_by, same_error
+from .failure import broken_by, closed_under, same_error, silent_for, timed_out
 from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
@@ -216,10 +216,7 @@ class Session:
         self._now = now
         for op in self.liveness.expired(now):
             if self.matching.live(op):
-                waiting = ranks_phrase(op.algo.pending_sources)
-                self._fail_everywhere(op, TimeoutError(
-                    f"{op.label} did not complete within its timeout of {op.timeout} s on "
-                    f"rank {self.rank} (still waiting for {waiting})"))  # fmt: skip
+                self._fail_everywhere(op, timed_out(op, self.rank, op.algo.pending_sources))
         if not self.liveness.beat_due(now):
             return
         self._control(self.liveness.open_peers(), wire.Beat())
@@ -228,10 +225,8 @@ class Session:
             # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
             stuck = silent if op.unsent else silent & op.algo.pending_sources
             if stuck:
-                why = f"{ranks_phrase(stuck)} sent nothing for {self.settings.peer_timeout:g} s"
-                self._fail_everywhere(op, TimeoutError(
-                    f"{op.label} failed on rank {self.rank}: {why}, not even a heartbeat "
-                    "(stopped, or cut off?)"))  # fmt: skip
+                self._fail_everywhere(op, silent_for(op, self.rank, stuck,
+                                                     self.settings.peer_timeout))  # fmt: skip
         self._inspect_stalls(now)
 
     def work(self, now: float) -> None:
@@ -251,9 +246,7 @@ class Session:
         if abort_reason is not None:
             self.fail_all(BrokenError(f"rank {self.rank} aborted: {abort_reason}"))
         for op in list(self.matching.ops.values()) + late:
-            self._fail(
-                op, ClosedError(f"{op.label}: the communicator was closed while it was pending")
-            )
+            self._fail(op, closed_under(op))
 
     def fail_all(self, error: BaseException, about: tuple[Key, Descriptor] | None = None) -> None:
         """The first failure breaks the session: fail everything pending (chained to

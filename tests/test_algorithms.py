@@ -23,6 +23,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -712,6 +713,22 @@ _SPECIAL_F32_BITS = [
     0x7FFF_FFFF,
     0xFFFF_FFFF,
 ]
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+def test_fold_quietly_overflows_to_inf_without_a_warning_and_leaves_the_callers_settings(
+    op: str,
+) -> None:
+    """The lane folds on the caller's thread: no RuntimeWarning there (overflow is the data's,
+    as on the progress thread), and the caller's own settings are back after the call."""
+    big = np.full(4, 3e38, np.float32)
+    out = np.empty_like(big)
+    with np.errstate(over="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reduction.fold_quietly(DTYPES["float32"], op, [big.view(np.uint8)] * 3, out, 3)
+        assert np.isinf(out).all() and np.geterr()["over"] == "raise"
+        with pytest.raises(FloatingPointError, match="overflow"):
+            big * big
 
 
 @pytest.mark.torch

@@ -471,8 +471,9 @@ class Communicator(BlockingCalls):
         refused = self._backend.refusal(plan, priority)
         if refused is not None:
             raise UsageError(refused)
+        shown = name or key_name
         key = self._keys.next(name if key_name is None else key_name)
-        label = f"{kind} {name or key_name!r}#{key[1]}" if name or key_name else f"{kind} #{key[1]}"
+        label = f"{kind} {shown!r}#{key[1]}" if shown else f"{kind} #{key[1]}"
         request: Request[Any] = Request(label, self._runner)
         self._backend.submit(plan, key, label, priority, timeout, request)
         return request

@@ -29,12 +29,19 @@ class Keys:
 
     def __init__(self, prefix: str = "") -> None:
         self.prefix = prefix
+        self._unnamed = prefix.encode()  # the wire name of every unnamed operation
+        self._fits = len(self._unnamed) <= MAX_NAME_BYTES  # (else every post is refused below)
         self._lock = threading.Lock()
         self._posted: defaultdict[str, int] = defaultdict(int)
         self._groups: defaultdict[tuple[int, ...], int] = defaultdict(int)
 
     def next(self, name: str | None) -> Key:
         """The key of the next operation posted as ``name`` (None: unnamed)."""
+        if name is None and self._fits:  # most posts: nothing to check or encode
+            with self._lock:
+                instance = self._posted[self.prefix]
+                self._posted[self.prefix] = instance + 1
+            return self._unnamed, instance
         if name is not None and (not isinstance(name, str) or not name):
             raise UsageError(f"name must be a non-empty string or None, got {name!r}")
         name = self.prefix + (name or "")

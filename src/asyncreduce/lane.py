@@ -41,12 +41,22 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms.reduction import finalize, fold
+from .algorithms.reduction import fold_quietly
 from .buffers import Buffer
 from .envvars import env_number
 from .errors import ClosedError
 from .keys import Key
-from .mailbox import AGREED, SLOT_BYTES, WAITING, Mailbox, supported
+from .mailbox import (
+    AGREED,
+    ELSEWHERE,
+    HERE,
+    SLOT_BYTES,
+    WAITING,
+    Header,
+    Mailbox,
+    header,
+    supported,
+)
 from .protocol.failure import broken_by, same_error, silent_for, timed_out
 from .protocol.operation import Settings
 from .protocol.session import Session
@@ -65,10 +75,10 @@ def lane_wanted(settings: Settings) -> bool:
 
 
 class LaneOp:
-    """One unnamed small allreduce in the lane (``fields``: its descriptor as the mailbox's
-    words; ``deadline``: monotonic, 0 for none)."""
+    """One unnamed small allreduce in the lane (``header``: what its slot says, as the
+    mailbox's words; ``deadline``: monotonic, 0 for none)."""
 
-    __slots__ = ("key", "seq", "label", "desc", "fields", "buf", "op", "result", "request",
+    __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
                  "timeout", "deadline")  # fmt: skip
 
     def __init__(
@@ -76,7 +86,7 @@ class LaneOp:
         result: Callable[[], Any], request: Request[Any], timeout: float | None,
     ) -> None:  # fmt: skip
         self.key, self.seq, self.label, self.desc = key, key[1], label, desc
-        self.fields = list(desc)
+        self.header = header(HERE, desc)
         self.buf, self.op, self.result, self.request = buf, op, result, request
         self.timeout = timeout
         self.deadline = 0.0 if timeout is None else time.monotonic() + timeout
@@ -95,7 +105,7 @@ class Lane:
         self._convert = convert
         self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
-        self._unpublished: dict[int, tuple[Descriptor, LaneOp | None]] = {}
+        self._unpublished: dict[int, tuple[Header, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
         self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
         self._finished: set[int] = set()  # done with, above ``_through``
@@ -123,8 +133,12 @@ class Lane:
         with self._lock:
             if self._closed:
                 raise ClosedError(f"{op.label}: the communicator is closed")
-            self._pending[op.seq] = op
-            self._unpublished[op.seq] = (op.desc, op)
+            seq = op.seq
+            self._pending[seq] = op
+            if seq == self._next and self.mailbox.free(seq):  # the usual case: out at once
+                self._publish(seq, op.header, op)
+            else:
+                self._unpublished[seq] = (op.header, op)
             self._advance()
 
     def note(self, seq: int, desc: Descriptor) -> None:
@@ -132,13 +146,16 @@ class Lane:
         with self._lock:
             if self._closed:
                 return  # (the engine refuses the operation itself)
-            self._unpublished[seq] = (desc, None)
+            self._unpublished[seq] = (header(ELSEWHERE, desc), None)
             self._done_with(seq)
             self._advance()
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Move the lane from the waiting thread until ``request`` is done, for at most
         ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks."""
+        self.poke()  # the peers may be there already: then no spin to set up
+        if request.done():
+            return
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
         end = time.monotonic() + spin
         with self._lock:
@@ -219,15 +236,9 @@ class Lane:
     def _advance(self) -> None:
         if self._closed:
             return  # (a waiter may still drive: its request failed already)
-        mailbox = self.mailbox
-        while self._next in self._unpublished and mailbox.free(self._next):
-            desc, posted = self._unpublished.pop(self._next)
-            if posted is None:
-                mailbox.publish(self._next, list(desc), None)
-            else:
-                mailbox.publish(self._next, posted.fields, posted.buf.flat.view(np.uint8))
-            self._next += 1
-            self.moved_at = time.monotonic()
+        unpublished = self._unpublished
+        while self._next in unpublished and self.mailbox.free(self._next):
+            self._publish(self._next, *unpublished.pop(self._next))
         pending = self._pending
         if len(pending) == 1:  # the usual case: no list, no sort
             op = next(iter(pending.values()))
@@ -238,6 +249,12 @@ class Lane:
             if op.seq >= self._next or not self._complete(op):
                 break  # peers publish in order: nothing later is ready either
 
+    def _publish(self, seq: int, head: Header, posted: LaneOp | None) -> None:
+        data = None if posted is None else posted.buf.flat.view(np.uint8)
+        self.mailbox.publish(seq, head, data)
+        self._next = seq + 1
+        self.moved_at = time.monotonic()
+
     def _ordered(self) -> list[LaneOp]:
         pending = self._pending
         return list(pending.values()) if len(pending) < 2 else [pending[s] for s in sorted(pending)]
@@ -245,7 +262,7 @@ class Lane:
     def _complete(self, op: LaneOp) -> bool:
         """Finish ``op`` if every peer's slot holds it; False while one does not yet."""
         seq = op.seq
-        state = self.mailbox.state(seq, op.fields)
+        state = self.mailbox.state(seq, op.header)
         if state == WAITING:
             return False
         del self._pending[seq]
@@ -255,10 +272,8 @@ class Lane:
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
-        out, dtype = op.buf.flat, op.buf.dtype
-        with np.errstate(all="ignore"):  # as on the progress thread: overflow is the data's
-            fold(dtype, op.op, self.mailbox.parts(seq, out.nbytes), out)
-            finalize(dtype, op.op, out, self.world_size)
+        out = op.buf.flat
+        fold_quietly(op.buf.dtype, op.op, self.mailbox.parts(seq, out.nbytes), out, self.world_size)
         self._done_with(seq)
         self.completed += 1
         op.request.set_result(op.result())
@@ -278,7 +293,7 @@ class Lane:
         if self._pending.pop(op.seq, None) is None:
             return
         if op.seq in self._unpublished:  # peers still wait for its slot: it says "elsewhere"
-            self._unpublished[op.seq] = (op.desc, None)
+            self._unpublished[op.seq] = (header(ELSEWHERE, op.desc), None)
         self._done_with(op.seq)
         if not op.request.done():
             op.request.set_exception(error)

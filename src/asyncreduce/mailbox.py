@@ -29,23 +29,33 @@ counts included, agree).
 from __future__ import annotations
 
 import platform
+from array import array
+from typing import TypeAlias
 
 import numpy as np
 
 from .algorithms import SMALL_ALLREDUCE_BYTES, Array
 
-__all__ = ["AGREED", "DIFFERENT", "ELSEWHERE", "HERE", "SLOT_BYTES", "SLOTS", "WAITING", "Mailbox",
-           "region_bytes", "supported"]  # fmt: skip
+__all__ = ["AGREED", "DIFFERENT", "ELSEWHERE", "HERE", "SLOT_BYTES", "SLOTS", "WAITING", "Header",
+           "Mailbox", "header", "region_bytes", "supported"]  # fmt: skip
 
 SLOTS = 32  # operations a rank may have published ahead of its slowest peer
 SLOT_BYTES = SMALL_ALLREDUCE_BYTES  # the largest contribution a slot takes
 HERE, ELSEWHERE = 1, 2  # what a slot holds
 WAITING, AGREED, DIFFERENT = 0, 1, 2  # what the peers' slots for one operation say
 
-_STAMP, _STATE, _DESC = 0, 1, 2  # header fields (int64): stamp, state, the 5 descriptor fields
+_STAMP, _STATE = 0, 1  # header fields (int64): stamp, state, then the 5 descriptor fields
 _FIELDS = 8  # per slot header: 64 bytes, a cache line
 _HEAD = 8 * 8  # the counter ``through``, alone on its cache line
 _DATA = _HEAD + SLOTS * _FIELDS * 8
+
+
+Header: TypeAlias = "array[int]"  # a slot's header after its stamp: state, the 5 fields
+
+
+def header(state: int, descriptor: tuple[int, ...]) -> Header:
+    """What ``publish`` writes after the stamp, and ``state`` compares with, as one block."""
+    return array("q", (state, *descriptor))
 
 
 def region_bytes() -> int:
@@ -94,30 +104,33 @@ class Mailbox:
         oldest = seq - SLOTS
         if oldest < 0:
             return True
-        return self._mine.words[0] > oldest and all(w[0] > oldest for w in self._peer_words)
+        if self._mine.words[0] <= oldest:
+            return False
+        for words in self._peer_words:  # noqa: SIM110  (a generator costs more than the reads)
+            if words[0] <= oldest:
+                return False
+        return True
 
-    def publish(self, seq: int, fields: list[int], data: Array | None) -> None:
-        """Put ``seq``'s descriptor (its five ``fields``) and this rank's contribution (raw
-        bytes, at most ``SLOT_BYTES``) or, with ``data`` None, the note that it runs
-        elsewhere. Only after ``free(seq)``."""
+    def publish(self, seq: int, header: Header, data: Array | None) -> None:
+        """Put ``seq``'s ``header`` (``header(...)``: HERE with this rank's contribution
+        ``data``, raw bytes of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its slot.
+        Only after ``free(seq)``."""
         base, words = _base(seq), self._mine.words
         if data is not None:
             np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data)
-        for i, value in enumerate(fields, base + _DESC):
-            words[i] = value
-        words[base + _STATE] = HERE if data is not None else ELSEWHERE
+        words[base + _STATE : base + _STATE + 6] = header  # one copy: a peer spins on this line
         words[base + _STAMP] = seq + 1  # last: a reader that sees it sees the rest
 
-    def state(self, seq: int, fields: list[int]) -> int:
-        """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer
-        left its contribution under the descriptor ``fields``, else ``DIFFERENT``."""
+    def state(self, seq: int, header: Header) -> int:
+        """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer's
+        header is ``header`` (``HERE``, the same descriptor), else ``DIFFERENT``."""
         base, stamp = _base(seq), seq + 1
-        for words in self._peer_words:
+        peers = self._peer_words
+        for words in peers:
             if words[base + _STAMP] != stamp:
                 return WAITING
-        desc = slice(base + _DESC, base + _DESC + 5)
-        for words in self._peer_words:
-            if words[base + _STATE] != HERE or words[desc].tolist() != fields:
+        for words in peers:
+            if words[base + _STATE : base + _STATE + 6] != header:
                 return DIFFERENT
         return AGREED
 

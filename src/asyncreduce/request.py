@@ -30,6 +30,7 @@ log = logging.getLogger("asyncreduce")
 T = TypeVar("T")
 _STOP = object()
 _FINISHED = concurrent.futures._base.FINISHED
+_CONDITIONS = threading.Lock()  # held while a request makes its condition, or finds it has none
 
 
 class CallbackRunner:
@@ -92,7 +93,15 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     """The pending result of one operation (see the module docstring)."""
 
     def __init__(self, label: str, runner: CallbackRunner) -> None:
-        super().__init__()
+        # Not Future.__init__: its Condition costs more than the rest of a small operation's
+        # post, and most requests never need one (the waiter finds the result there, or the
+        # thread that completes it is the one waiting). ``_condition`` makes it on first use.
+        self._made_condition: threading.Condition | None = None
+        self._state = concurrent.futures._base.RUNNING  # (it cannot be cancelled)
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Callable[[concurrent.futures.Future[T]], object]] = []
         self.label = label
         self.posted_at = time.perf_counter()
         self.completed_at: float | None = None  # when the result came, for timelines and stats
@@ -101,8 +110,21 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         self.mover: Mover | None = None  # the same-host lane, for its operations (lane.py)
         self.on_wait: Callable[[], object] | None = None  # set by a device engine: orders
         # the waiting thread's GPU stream after the result (see ordered/torchdist.py)
-        self._state = concurrent.futures._base.RUNNING  # (what set_running_or_notify_cancel
-        # does to a new future, without taking its lock: a post is on every hot path)
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        """What Future's methods lock and wait on, made by whoever needs it first."""
+        condition = self._made_condition
+        if condition is None:
+            with _CONDITIONS:
+                condition = self._made_condition
+                if condition is None:
+                    condition = self._made_condition = threading.Condition()
+        return condition
+
+    def done(self) -> bool:
+        """True once the operation has completed (one read: a request is never cancelled)."""
+        return self._state == _FINISHED
 
     def wait(self, timeout: float | None = None) -> T:
         """The result, once the operation completes; raises its error, or TimeoutError."""
@@ -140,7 +162,26 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     def set_result(self, result: T) -> None:
         """Complete with ``result`` (the engine's call), stamping ``completed_at``."""
         self.completed_at = time.perf_counter()
-        super().set_result(result)
+        if not self._finish_quietly(result, None):
+            super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Complete with ``exception`` (the engine's call)."""
+        self.completed_at = time.perf_counter()
+        if not self._finish_quietly(None, exception):
+            super().set_exception(exception)
+
+    def _finish_quietly(self, result: Any, exception: BaseException | None) -> bool:
+        """Complete without a condition if nobody has made one: then nobody waits on it, has
+        a callback on it, or watches it (each makes it first), so there is nobody to tell."""
+        with _CONDITIONS:
+            if self._made_condition is not None:
+                return False
+            if self._state == _FINISHED:
+                raise concurrent.futures.InvalidStateError(f"{self.label} is complete already")
+            self._result, self._exception = result, exception
+            self._state = _FINISHED
+            return True
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The operation's error, or None (``concurrent.futures.Future.exception``)."""

@@ -10,16 +10,27 @@ torch does: sum and max are "or", prod and min are "and". ``band``, ``bor`` and 
 integers and bool; ``max`` and ``min`` no complex numbers (``reduction_refused`` says why).
 
 Overflow wraps (integers) or saturates to inf (floats) as in MPI; the progress thread turns
-numpy's floating-point warnings off for itself, so nothing here pays for an errstate.
+numpy's floating-point warnings off for itself, so nothing here pays for an errstate. A
+caller's thread (the same-host lane's waiter) uses ``fold_quietly``, which turns them off for
+the call alone.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
+
+try:  # numpy 2: errstate is this context variable; setting it directly costs a third of one
+    from numpy._core import umath as _umath
+
+    _ERRSTATE: ContextVar[Any] | None = _umath._extobj_contextvar
+    _QUIET: Any = _umath._make_extobj(all="ignore")
+except (ImportError, AttributeError):  # numpy 1: np.errstate
+    _ERRSTATE = None
 
 __all__ = [
     "DType",
@@ -30,6 +41,7 @@ __all__ = [
     "combine",
     "finalize",
     "fold",
+    "fold_quietly",
     "reduction_refused",
 ]
 
@@ -168,6 +180,26 @@ def fold(dtype: DType, op: str, parts: list[NDArray[np.generic]], out: NDArray[n
     ufunc(parts[0].view(kind), parts[1].view(kind), out=out)
     for part in parts[2:]:
         ufunc(out, part.view(kind), out=out)
+
+
+def fold_quietly(
+    dtype: DType, op: str, parts: list[NDArray[np.generic]], out: NDArray[np.generic],
+    world_size: int,
+) -> None:  # fmt: skip
+    """``fold`` then ``finalize``, with numpy's floating-point warnings off for the call only
+    (a caller's thread: overflow is the data's, as on the progress thread, and the caller's
+    own warning settings stay as they were)."""
+    if _ERRSTATE is None:
+        with np.errstate(all="ignore"):
+            fold(dtype, op, parts, out)
+            finalize(dtype, op, out, world_size)
+        return
+    token = _ERRSTATE.set(_QUIET)
+    try:
+        fold(dtype, op, parts, out)
+        finalize(dtype, op, out, world_size)
+    finally:
+        _ERRSTATE.reset(token)
 
 
 def finalize(dtype: DType, op: str, values: NDArray[np.generic], world_size: int) -> None:

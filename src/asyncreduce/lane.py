@@ -241,10 +241,10 @@ class Lane:
             self._publish(self._next, *unpublished.pop(self._next))
         pending = self._pending
         if len(pending) == 1:  # the usual case: no list, no sort
-            op = next(iter(pending.values()))
-            if op.seq < self._next:
-                self._complete(op)
-            return
+            for op in pending.values():
+                if op.seq < self._next:
+                    self._complete(op)
+                return
         for op in self._ordered():
             if op.seq >= self._next or not self._complete(op):
                 break  # peers publish in order: nothing later is ready either
@@ -272,8 +272,9 @@ class Lane:
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
-        out = op.buf.flat
-        fold_quietly(op.buf.dtype, op.op, self.mailbox.parts(seq, out.nbytes), out, self.world_size)
+        buf = op.buf
+        fold_quietly(buf.dtype, op.op, self.mailbox.parts(seq, buf.flat.nbytes), buf.flat,
+                     self.world_size)  # fmt: skip
         self._done_with(seq)
         self.completed += 1
         op.request.set_result(op.result())
@@ -283,7 +284,10 @@ class Lane:
         if seq != self._through:  # an earlier one is not done yet
             self._finished.add(seq)
             return
-        self._through += 1
+        self._through = seq + 1
+        if not self._finished:  # the usual case
+            self.mailbox.done_through(seq + 1)
+            return
         while self._through in self._finished:
             self._finished.discard(self._through)
             self._through += 1

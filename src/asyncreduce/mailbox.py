@@ -48,6 +48,7 @@ _STAMP, _STATE = 0, 1  # header fields (int64): stamp, state, then the 5 descrip
 _FIELDS = 8  # per slot header: 64 bytes, a cache line
 _HEAD = 8 * 8  # the counter ``through``, alone on its cache line
 _DATA = _HEAD + SLOTS * _FIELDS * 8
+_HEAD_WORDS = _HEAD // 8
 
 
 Header: TypeAlias = "array[int]"  # a slot's header after its stamp: state, the 5 fields
@@ -82,7 +83,7 @@ class _Region:
 
 
 def _base(seq: int) -> int:
-    return _HEAD // 8 + (seq % SLOTS) * _FIELDS  # the word where ``seq``'s header starts
+    return _HEAD_WORDS + (seq % SLOTS) * _FIELDS  # the word where ``seq``'s header starts
 
 
 class Mailbox:
@@ -115,7 +116,7 @@ class Mailbox:
         """Put ``seq``'s ``header`` (``header(...)``: HERE with this rank's contribution
         ``data``, raw bytes of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its slot.
         Only after ``free(seq)``."""
-        base, words = _base(seq), self._mine.words
+        base, words = _HEAD_WORDS + (seq % SLOTS) * _FIELDS, self._mine.words
         if data is not None:
             np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data)
         words[base + _STATE : base + _STATE + 6] = header  # one copy: a peer spins on this line
@@ -124,7 +125,7 @@ class Mailbox:
     def state(self, seq: int, header: Header) -> int:
         """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer's
         header is ``header`` (``HERE``, the same descriptor), else ``DIFFERENT``."""
-        base, stamp = _base(seq), seq + 1
+        base, stamp = _HEAD_WORDS + (seq % SLOTS) * _FIELDS, seq + 1  # (_base, inline)
         peers = self._peer_words
         for words in peers:
             if words[base + _STAMP] != stamp:

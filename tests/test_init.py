@@ -111,6 +111,12 @@ def test_missing_rank_information_is_a_usage_error(monkeypatch: pytest.MonkeyPat
         ar.init(rank=3, world_size=2)
 
 
+@pytest.mark.parametrize("timeout", [None, 0, -1.0, "30", True, float("nan")])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(timeout: object) -> None:
+    with pytest.raises(ar.UsageError, match=r"timeout must be a positive number of seconds"):
+        ar.init(0, 1, timeout=timeout)  # type: ignore[arg-type]
+
+
 def test_public_names_are_exactly_the_documented_ones() -> None:
     documented = {
         "init", "Communicator", "Request", "wait_all", "wait_any",

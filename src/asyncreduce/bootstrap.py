@@ -80,6 +80,11 @@ def init(
     default); "torch" over a group of an initialized torch.distributed job (``group``, its
     WORLD by default: gloo, nccl, ...). See docs/engines.md.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise UsageError(
+            f"timeout must be a positive number of seconds (how long to wait for the other "
+            f"ranks to join), got {timeout!r}"
+        )
     chosen = backend or os.environ.get("ASYNCREDUCE_BACKEND") or "native"
     if chosen not in ("native", "mpi", "torch"):
         raise UsageError(f"backend={chosen!r} is not one of native, mpi, torch")

@@ -7,6 +7,9 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
   connection, nothing else: busy-polling non-blocking reads, and blocking reads (each one a
   wake-up). No
   engine written in Python on TCP can be faster than the first.
+* **lane alone**: the same-host lane's whole call (``iallreduce`` and ``wait``), in one thread:
+  two communicators over mailboxes in plain memory take turns, so nothing waits for another
+  core: what our Python costs per rank per operation on that path.
 * **protocol**: our protocol alone, in one thread: two ``Session`` objects post the allreduce,
   hand each other their frames (packed and parsed headers) and complete it. No socket, no
   thread: the CPU the protocol itself costs per rank per operation (the operations are built
@@ -167,6 +170,60 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
     return elapsed / _ROUNDS / world * 1e6
 
 
+class _NoEngine:
+    """What a communicator over the lane asks of its engine when nothing fails: nothing."""
+
+    lane = None
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def refusal(self, label: str, peers: object = None) -> None:
+        return None
+
+    def nudge(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def lane_us(nbytes: int, world: int = 2) -> float:
+    """CPU microseconds per rank per allreduce through the same-host lane, the whole call
+    (``iallreduce`` and ``wait``), in one thread: ``world`` communicators over mailboxes in
+    plain memory take turns (every rank but 0 posts, rank 0 completes, the others wait), so
+    no core waits for another and nothing but our Python is timed."""
+    from asyncreduce.backends.native import NativeBackend
+    from asyncreduce.comm import Communicator
+    from asyncreduce.mailbox import Mailbox, region_bytes
+    from asyncreduce.planes import SharedPlanes
+
+    regions = [np.zeros(region_bytes(), np.uint8) for _ in range(world)]
+    comms = []
+    for r in range(world):
+        backend = NativeBackend(_NoEngine(r, world), r, world, SharedPlanes(False, None))  # type: ignore[arg-type]
+        peers = {p: regions[p] for p in range(world) if p != r}
+        backend.open_lane(Mailbox(r, regions[r], peers))
+        comms.append(Communicator(r, world, backend))
+    xs = [np.ones(nbytes // 4, np.float32) for _ in range(world)]
+
+    def one() -> None:
+        posted = [comm.iallreduce(x, "max") for comm, x in zip(comms[1:], xs[1:], strict=True)]
+        comms[0].allreduce(xs[0], "max")
+        for request in posted:
+            request.wait()
+
+    for _ in range(_WARMUP):
+        one()
+    start = time.process_time()
+    for _ in range(_ROUNDS):
+        one()
+    elapsed = time.process_time() - start
+    for comm in comms:
+        comm.close()
+    return elapsed / _ROUNDS / world * 1e6
+
+
 def whole(nbytes: int, nprocs: int, setting: dict[str, str], call: bool) -> dict[str, float]:
     """Latency and CPU per rank per operation from N real ranks under ``asyncreduce run``
     with the variables ``setting``; with ``call``, also the posting call alone (rank 0,
@@ -240,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                  median(floor_us, nbytes, False)))  # fmt: skip
     rows.append(("protocol_cpu", "protocol alone, CPU per rank (2 Sessions, 1 thread)",
                  median(protocol_us, nbytes)))  # fmt: skip
+    rows.append(("lane_cpu", "same-host lane, whole call, CPU per rank (2 ranks, 1 thread)",
+                 median(lane_us, nbytes)))  # fmt: skip
     for n in args.nprocs:
         for setting, tag, what in _PATHS:
             call = n == args.nprocs[0] and tag == "spin"  # the call once: it has no peers

@@ -24,8 +24,10 @@ import numpy as np, asyncreduce as ar
 with ar.init(timeout=30) as comm:
     x = np.full(4, comm.rank + 1.0)
     comm.allreduce(x)
+    lane = getattr(comm._backend, "lane", None)  # the same-host lane, where it is open
     print(f"rank {comm.rank} of {comm.world_size} local {comm.local_rank} of "
-          f"{comm.local_world_size} sum {x[0]:g}", flush=True)
+          f"{comm.local_world_size} sum {x[0]:g} lane {comm.data_plane.lane} "
+          f"took {0 if lane is None else lane.completed}", flush=True)
 """
 
 #: launcher variables that must not leak from the test's own environment into a job
@@ -45,6 +47,12 @@ def sums(output: str, world: int) -> list[tuple[int, int, int]]:
     total = world * (world + 1) // 2
     found = re.findall(rf"rank (\d+) of {world} local (\d+) of (\d+) sum {total}(?!\d)", output)
     return sorted((int(r), int(lr), int(lw)) for r, lr, lw in found)
+
+
+def on_the_lane(output: str) -> int:
+    """How many ranks said their small allreduce went through the same-host lane (every rank
+    of these jobs is on this one host, so every one should)."""
+    return len(re.findall(r"sum \d+ lane True took 1(?!\d)", output))
 
 
 def torchrun(*args: str, script: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -81,6 +89,7 @@ def test_torchrun_joins_through_its_agents_store(script: Path, form: str) -> Non
     out, _ = job.communicate(timeout=100)
     assert job.returncode == 0, out
     assert sums(out, 3) == [(0, 0, 3), (1, 1, 3), (2, 2, 3)], out
+    assert on_the_lane(out) == 3, out
     assert "Address already in use" not in out
 
 
@@ -97,6 +106,7 @@ def test_torchrun_across_nodes(script: Path) -> None:
     out = "".join(node.communicate(timeout=100)[0] for node in nodes)
     assert [node.returncode for node in nodes] == [0, 0], out
     assert sums(out, 4) == [(0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2)], out
+    assert on_the_lane(out) == 4, out  # two "nodes", one host: still one host's mailboxes
 
 
 @needs_torch
@@ -172,6 +182,7 @@ def test_mpirun_on_one_host_needs_nothing_more(script: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     # mpirun forwards every rank's output through one pipe: lines may run together
     assert len(re.findall(r"rank \d of 3 local \d of 3 sum 6", out.stdout)) == 3, out.stdout
+    assert on_the_lane(out.stdout) == 3, out.stdout
 
 
 @needs_mpirun

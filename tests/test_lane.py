@@ -31,7 +31,7 @@ from asyncreduce.algorithms import KINDS, REDUCTION_CODES
 from asyncreduce.algorithms.reduction import DTYPES, fold
 from asyncreduce.buffers import as_buffer
 from asyncreduce.lane import Lane, LaneOp
-from asyncreduce.mailbox import SLOTS, Mailbox, region_bytes
+from asyncreduce.mailbox import HERE, SLOTS, Mailbox, header, region_bytes
 from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
@@ -168,8 +168,8 @@ def test_a_header_a_peer_scribbled_on_is_read_as_a_disagreement() -> None:
     converted: list[LaneOp] = []
     lane = Lane(Mailbox(0, regions[0], {1: regions[1]}), 0, 2, converted.append)
     op = lane_op(0, np.ones(4, np.float32))
-    words = regions[1][: 64 + SLOTS * 64].view(np.int64)
-    words[8:16] = [1, 1, KINDS["allreduce"], 2, 1, 0, 1 << 40, 0]  # stamp 1, HERE, count 2^40
+    wild = Descriptor(KINDS["allreduce"], op.desc.dtype, op.desc.reduce, 0, 1 << 40)
+    Mailbox(1, regions[1], {0: regions[0]}).publish(0, header(HERE, wild), None)  # no data
     lane.post(op)
     assert converted == [op]
 

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TypeVar
 
 from .errors import UsageError
 
 __all__ = ["env_number"]
 
 _KINDS = {int: "an integer", float: "a number"}
+Number = TypeVar("Number", int, float)
 
 
-def env_number(name: str, default: Any, kind: type, least: float) -> Any:
+def env_number(name: str, default: Number, kind: type[Number], least: float) -> Number:
     """The number in environment variable ``name`` (``default`` if unset), at least ``least``."""
     text = os.environ.get(name)
     if not text:

@@ -43,7 +43,7 @@ class Call:
 
 def fusion_bytes_from_env() -> int:
     """The limit of this process: ASYNCREDUCE_FUSION_BYTES, or ``FUSION_BYTES``."""
-    return int(env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0))
+    return env_number("ASYNCREDUCE_FUSION_BYTES", FUSION_BYTES, int, 0)
 
 
 def fuse(ops: list[Posted], limit: int) -> list[list[Posted]]:

@@ -96,7 +96,7 @@ def _tune(sock: socket.socket, lowat: int) -> None:
 def not_sent_bytes() -> int:
     """The kernel's share of a connection's unsent frames (``NOT_SENT_BYTES``, or
     ASYNCREDUCE_NOTSENT_KIB KiB; 0: as much as SO_SNDBUF holds)."""
-    return int(env_number("ASYNCREDUCE_NOTSENT_KIB", NOT_SENT_BYTES >> 10, int, 0)) << 10
+    return env_number("ASYNCREDUCE_NOTSENT_KIB", NOT_SENT_BYTES >> 10, int, 0) << 10
 
 
 def _hello(rank: int, world_size: int, token: bytes) -> bytes:

@@ -84,4 +84,6 @@ def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     assert 0 < us["call"] < us["n2_spin_latency"], us
     assert us["n2_sleep_latency"] > 0 and us["n2_sleep_cpu"] > 0, us
     assert us["n2_lane_latency"] > 0 and us["n2_lane_cpu"] > 0, us
-    assert 0 < us["lane_cpu"] < us["n2_lane_cpu"], us  # its Python alone: less than the whole
+    # the lane's whole call in one thread costs less than one operation on the engine's path
+    # (not compared with the lane's real ranks: their CPU per operation is about the same)
+    assert 0 < us["lane_cpu"] < us["n2_spin_cpu"], us

@@ -31,6 +31,10 @@ T = TypeVar("T")
 _STOP = object()
 _FINISHED = concurrent.futures._base.FINISHED
 _CONDITIONS = threading.Lock()  # held while a request makes its condition, or finds it has none
+# The fields Future.__init__ sets, which Request sets itself (its condition made on first use).
+# A Python whose Future has others gets Future's own __init__, and every completion its path.
+_FIELDS = {"_condition", "_state", "_result", "_exception", "_waiters", "_done_callbacks"}
+_LAZY = set(vars(concurrent.futures.Future())) == _FIELDS
 
 
 class CallbackRunner:
@@ -97,11 +101,14 @@ class Request(concurrent.futures.Future[T], Generic[T]):
         # post, and most requests never need one (the waiter finds the result there, or the
         # thread that completes it is the one waiting). ``_condition`` makes it on first use.
         self._made_condition: threading.Condition | None = None
+        if _LAZY:
+            self._result: Any = None
+            self._exception: BaseException | None = None
+            self._waiters: list[Any] = []
+            self._done_callbacks: list[Callable[[concurrent.futures.Future[T]], object]] = []
+        else:
+            super().__init__()  # (its condition goes through the setter below)
         self._state = concurrent.futures._base.RUNNING  # (it cannot be cancelled)
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Callable[[concurrent.futures.Future[T]], object]] = []
         self.label = label
         self.posted_at = time.perf_counter()
         self.completed_at: float | None = None  # when the result came, for timelines and stats
@@ -121,6 +128,10 @@ class Request(concurrent.futures.Future[T], Generic[T]):
                 if condition is None:
                     condition = self._made_condition = threading.Condition()
         return condition
+
+    @_condition.setter
+    def _condition(self, condition: threading.Condition) -> None:
+        self._made_condition = condition
 
     def done(self) -> bool:
         """True once the operation has completed (one read: a request is never cancelled)."""

@@ -38,16 +38,14 @@ class Keys:
     def next(self, name: str | None) -> Key:
         """The key of the next operation posted as ``name`` (None: unnamed)."""
         if name is None and self._fits:  # most posts: nothing to check or encode
-            with self._lock:
-                instance = self._posted[self.prefix]
-                self._posted[self.prefix] = instance + 1
-            return self._unnamed, instance
-        if name is not None and (not isinstance(name, str) or not name):
-            raise UsageError(f"name must be a non-empty string or None, got {name!r}")
-        name = self.prefix + (name or "")
-        wire = name.encode()
-        if len(wire) > MAX_NAME_BYTES:
-            raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
+            name, wire = self.prefix, self._unnamed
+        else:
+            if name is not None and (not isinstance(name, str) or not name):
+                raise UsageError(f"name must be a non-empty string or None, got {name!r}")
+            name = self.prefix + (name or "")
+            wire = name.encode()
+            if len(wire) > MAX_NAME_BYTES:
+                raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
         with self._lock:
             instance = self._posted[name]
             self._posted[name] = instance + 1

@@ -133,12 +133,8 @@ class Lane:
         with self._lock:
             if self._closed:
                 raise ClosedError(f"{op.label}: the communicator is closed")
-            seq = op.seq
-            self._pending[seq] = op
-            if seq == self._next and self.mailbox.free(seq):  # the usual case: out at once
-                self._publish(seq, op.header, op)
-            else:
-                self._unpublished[seq] = (op.header, op)
+            self._pending[op.seq] = op
+            self._unpublished[op.seq] = (op.header, op)
             self._advance()
 
     def note(self, seq: int, desc: Descriptor) -> None:
@@ -241,10 +237,10 @@ class Lane:
             self._publish(self._next, *unpublished.pop(self._next))
         pending = self._pending
         if len(pending) == 1:  # the usual case: no list, no sort
-            for op in pending.values():
-                if op.seq < self._next:
-                    self._complete(op)
-                return
+            op = next(iter(pending.values()))
+            if op.seq < self._next:
+                self._complete(op)
+            return
         for op in self._ordered():
             if op.seq >= self._next or not self._complete(op):
                 break  # peers publish in order: nothing later is ready either
@@ -284,10 +280,7 @@ class Lane:
         if seq != self._through:  # an earlier one is not done yet
             self._finished.add(seq)
             return
-        self._through = seq + 1
-        if not self._finished:  # the usual case
-            self.mailbox.done_through(seq + 1)
-            return
+        self._through += 1
         while self._through in self._finished:
             self._finished.discard(self._through)
             self._through += 1

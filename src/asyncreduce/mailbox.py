@@ -116,7 +116,7 @@ class Mailbox:
         """Put ``seq``'s ``header`` (``header(...)``: HERE with this rank's contribution
         ``data``, raw bytes of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its slot.
         Only after ``free(seq)``."""
-        base, words = _HEAD_WORDS + (seq % SLOTS) * _FIELDS, self._mine.words
+        base, words = _base(seq), self._mine.words
         if data is not None:
             np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data)
         words[base + _STATE : base + _STATE + 6] = header  # one copy: a peer spins on this line
@@ -125,7 +125,7 @@ class Mailbox:
     def state(self, seq: int, header: Header) -> int:
         """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer's
         header is ``header`` (``HERE``, the same descriptor), else ``DIFFERENT``."""
-        base, stamp = _HEAD_WORDS + (seq % SLOTS) * _FIELDS, seq + 1  # (_base, inline)
+        base, stamp = _base(seq), seq + 1
         peers = self._peer_words
         for words in peers:
             if words[base + _STAMP] != stamp:

@@ -185,6 +185,8 @@ class Request(concurrent.futures.Future[T], Generic[T]):
     def _finish_quietly(self, result: Any, exception: BaseException | None) -> bool:
         """Complete without a condition if nobody has made one: then nobody waits on it, has
         a callback on it, or watches it (each makes it first), so there is nobody to tell."""
+        if self._made_condition is not None:  # (once made it stays: no lock needed to see it)
+            return False
         with _CONDITIONS:
             if self._made_condition is not None:
                 return False

@@ -195,7 +195,7 @@ def lane_us(nbytes: int, world: int = 2) -> float:
     no core waits for another and nothing but our Python is timed."""
     from asyncreduce.backends.native import NativeBackend
     from asyncreduce.comm import Communicator
-    from asyncreduce.mailbox import Mailbox, region_bytes
+    from asyncreduce.mailbox import native_wanted, open_mailbox, region_bytes
     from asyncreduce.planes import SharedPlanes
 
     regions = [np.zeros(region_bytes(), np.uint8) for _ in range(world)]
@@ -203,7 +203,7 @@ def lane_us(nbytes: int, world: int = 2) -> float:
     for r in range(world):
         backend = NativeBackend(_NoEngine(r, world), r, world, SharedPlanes(False, None))  # type: ignore[arg-type]
         peers = {p: regions[p] for p in range(world) if p != r}
-        backend.open_lane(Mailbox(r, regions[r], peers))
+        backend.open_lane(open_mailbox(r, regions[r], peers, native_wanted()))
         comms.append(Communicator(r, world, backend))
     xs = [np.ones(nbytes // 4, np.float32) for _ in range(world)]
 

@@ -31,7 +31,7 @@ from asyncreduce.algorithms import KINDS, REDUCTION_CODES
 from asyncreduce.algorithms.reduction import DTYPES, fold
 from asyncreduce.buffers import as_buffer
 from asyncreduce.lane import Lane, LaneOp
-from asyncreduce.mailbox import HERE, SLOTS, Mailbox, header, region_bytes
+from asyncreduce.mailbox import HERE, SLOTS, Core, Mailbox, NativeMailbox, header, region_bytes
 from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
@@ -43,15 +43,25 @@ BULK_FLOATS = 4 << 20  # 16 MiB: the engine's bulk path beside the lane
 # ---- one process: lanes over plain arrays -------------------------------------------------
 
 
-class World:
-    """``n`` ranks' lanes over plain arrays in this process; ``converted[r]``: what rank r
-    handed to the engine."""
+NATIVE = pytest.mark.skipif(Core is None, reason="asyncreduce._mailbox_core not built")
 
-    def __init__(self, n: int) -> None:
+
+@pytest.fixture(params=[Mailbox, pytest.param(NativeMailbox, marks=NATIVE)],
+                ids=["python", "native"])  # fmt: skip
+def kind(request: pytest.FixtureRequest) -> type[Mailbox]:
+    """Each one-process test runs over both mailboxes: numpy's and the C one."""
+    return request.param  # type: ignore[no-any-return]
+
+
+class World:
+    """``n`` ranks' lanes over plain arrays in this process, with mailboxes of ``kind``;
+    ``converted[r]``: what rank r handed to the engine."""
+
+    def __init__(self, n: int, kind: type[Mailbox]) -> None:
         regions = [np.zeros(region_bytes(), np.uint8) for _ in range(n)]
         self.converted: list[list[LaneOp]] = [[] for _ in range(n)]
         self.lanes = [
-            Lane(Mailbox(r, regions[r], {p: regions[p] for p in range(n) if p != r}), r, n,
+            Lane(kind(r, regions[r], {p: regions[p] for p in range(n) if p != r}), r, n,
                  self.converted[r].append)
             for r in range(n)
         ]  # fmt: skip
@@ -74,12 +84,14 @@ def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_lanes_driven_in_any_order_end_with_every_rank_bitwise_equal(n: int, seed: int) -> None:
+def test_lanes_driven_in_any_order_end_with_every_rank_bitwise_equal(
+    n: int, seed: int, kind: type[Mailbox]
+) -> None:
     """Each rank posts 3 x SLOTS operations in sequence order (some run elsewhere: a note),
     at random moments against the others, and random ranks move their lanes between posts;
     every lane operation ends with the rank-order fold, the same bits on every rank."""
     rng = random.Random(seed)
-    world = World(n)
+    world = World(n, kind)
     count = 3 * SLOTS
     kinds = [rng.choice(["sum", "avg", "max", "prod", "note"]) for _ in range(count)]
     sizes = [rng.choice([1, 7, 256, 16384]) for _ in range(count)]
@@ -107,10 +119,10 @@ def test_lanes_driven_in_any_order_end_with_every_rank_bitwise_equal(n: int, see
     assert all(not lane.busy for lane in world.lanes)
 
 
-def test_a_slot_is_reused_only_once_every_peer_is_through_it() -> None:
+def test_a_slot_is_reused_only_once_every_peer_is_through_it(kind: type[Mailbox]) -> None:
     """Rank 0 runs 2 x SLOTS operations ahead of rank 1: only the first SLOTS go out (the
     rest wait, in order); as rank 1 catches up, everything completes, nothing overwritten."""
-    world = World(2)
+    world = World(2, kind)
     ahead = [lane_op(s, np.full(4, s, np.float64)) for s in range(2 * SLOTS)]
     for op in ahead:
         world.lanes[0].post(op)
@@ -125,10 +137,12 @@ def test_a_slot_is_reused_only_once_every_peer_is_through_it() -> None:
             assert op.request.result(timeout=0).tolist() == [1001.0 * s] * 4
 
 
-def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine() -> None:
+def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine(
+    kind: type[Mailbox],
+) -> None:
     """Rank 2 runs operation 0 on the engine (a note); ranks 0 and 1 hand theirs to the
     engine too, and the lane goes on with operation 1 as if nothing happened."""
-    world = World(3)
+    world = World(3, kind)
     first = [lane_op(0, np.ones(4, np.float32)) for _ in range(2)]
     world.lanes[0].post(first[0])
     world.lanes[1].post(first[1])
@@ -147,10 +161,12 @@ def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine() 
 
 
 @pytest.mark.parametrize("theirs", ["count", "dtype", "reduction"])
-def test_a_peer_that_disagrees_makes_every_rank_hand_it_to_the_engine(theirs: str) -> None:
+def test_a_peer_that_disagrees_makes_every_rank_hand_it_to_the_engine(
+    theirs: str, kind: type[Mailbox]
+) -> None:
     """Another count, dtype or reduction on rank 1: both ranks hand the operation to the
     engine (whose matching fails it on every rank, naming both sides); no data is read."""
-    world = World(2)
+    world = World(2, kind)
     other = {"count": (np.ones(8, np.float32), "sum"), "dtype": (np.ones(4, np.int32), "sum"),
              "reduction": (np.ones(4, np.float32), "max")}[theirs]  # fmt: skip
     mine, peers = lane_op(0, np.ones(4, np.float32)), lane_op(0, other[0], other[1])
@@ -161,15 +177,15 @@ def test_a_peer_that_disagrees_makes_every_rank_hand_it_to_the_engine(theirs: st
     assert mine.buf.flat.tolist() == [1.0] * 4  # untouched
 
 
-def test_a_header_a_peer_scribbled_on_is_read_as_a_disagreement() -> None:
+def test_a_header_a_peer_scribbled_on_is_read_as_a_disagreement(kind: type[Mailbox]) -> None:
     """A peer's header with a wild count (as a bug or a hostile process would leave it) is
     never used to read data: the operation goes to the engine, which checks for itself."""
     regions = [np.zeros(region_bytes(), np.uint8) for _ in range(2)]
     converted: list[LaneOp] = []
-    lane = Lane(Mailbox(0, regions[0], {1: regions[1]}), 0, 2, converted.append)
+    lane = Lane(kind(0, regions[0], {1: regions[1]}), 0, 2, converted.append)
     op = lane_op(0, np.ones(4, np.float32))
     wild = Descriptor(KINDS["allreduce"], op.desc.dtype, op.desc.reduce, 0, 1 << 40)
-    Mailbox(1, regions[1], {0: regions[0]}).publish(0, header(HERE, wild), None)  # no data
+    kind(1, regions[1], {0: regions[0]}).publish(0, header(HERE, wild), None)  # no data
     lane.post(op)
     assert converted == [op]
 
@@ -210,16 +226,20 @@ def body_every_dtype_and_reduction(comm: ar.Communicator) -> dict[str, Any]:
             done[f"{count}-{dtype}-{op}"] = comm.allreduce(x, op=op).tobytes()
     done["large"] = comm.allreduce(np.ones(1 << 15, np.float32)).tobytes()  # 128 KiB: engine
     done["named"] = comm.allreduce(np.ones(4, np.float32), name="n").tobytes()  # engine
-    return {"done": done, "lane": lane.completed, "converted": lane.converted}
+    return {"done": done, "lane": lane.completed, "converted": lane.converted,
+            "mailbox": type(lane.mailbox).__name__}  # fmt: skip
 
 
+@pytest.mark.parametrize("native", [pytest.param("1", marks=NATIVE), "0"], ids=["native", "python"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int) -> None:
-    results = run_ranks(n, body_every_dtype_and_reduction)
+def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int, native: str) -> None:
+    """Both mailboxes (ASYNCREDUCE_NATIVE) give numpy's rank-order fold, bit for bit."""
+    results = run_ranks(n, body_every_dtype_and_reduction, env={"ASYNCREDUCE_NATIVE": native})
     first = results[0]["done"]
     for rank, got in results.items():
         assert got["done"] == first, f"rank {rank} differs"
         assert got["lane"] == 27 and got["converted"] == 0, got  # 3 sizes x 9 cases, no more
+        assert got["mailbox"] == ("NativeMailbox" if native == "1" else "Mailbox"), got
     # the values: rank-order folds of what every rank contributed
     for key, raw in first.items():
         if key in ("large", "named"):
@@ -391,6 +411,21 @@ def body_lane_state(comm: ar.Communicator) -> bool:
     assert comm.allreduce(np.ones(4, np.float32)).tolist() == [comm.world_size] * 4
     assert comm.data_plane.lane == (_lane_of(comm) is not None)
     return comm.data_plane.lane
+
+
+def body_mailbox_kind(comm: ar.Communicator) -> str:
+    assert comm.allreduce(np.full(4, comm.rank, np.float32)).tolist() == [1.0] * 4
+    lane = _lane_of(comm)
+    assert lane is not None
+    return type(lane.mailbox).__name__
+
+
+@NATIVE
+def test_one_rank_without_the_c_mailbox_makes_every_rank_fold_in_python() -> None:
+    """So every rank folds with the same code (the same bits, whatever the compiler did)."""
+    assert run_ranks(2, body_mailbox_kind, rank_env={1: {"ASYNCREDUCE_NATIVE": "0"}}) == {
+        0: "Mailbox", 1: "Mailbox"}
+    assert run_ranks(2, body_mailbox_kind) == {0: "NativeMailbox", 1: "NativeMailbox"}
 
 
 @pytest.mark.parametrize("env", [{"ASYNCREDUCE_LANE": "0"}, {"ASYNCREDUCE_SPIN_US": "0"}])

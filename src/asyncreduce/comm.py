@@ -41,7 +41,7 @@ from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Keys, p2p_name
 from .lane import lane_wanted
-from .mailbox import Mailbox, region_bytes
+from .mailbox import native_wanted, open_mailbox, region_bytes
 from .ordered.engine import OrderedEngine
 from .planes import DataPlane
 from .plans import Plan
@@ -305,8 +305,9 @@ class Communicator(BlockingCalls):
         backend = self._backend
         if not isinstance(backend, NativeBackend) or not self._planes.offers_windows:
             return
-        wanted = np.array([lane_wanted(backend.engine.settings)], np.int8)
-        if not self.allreduce(wanted, op="min", name=_LANE, timeout=timeout)[0]:
+        wanted = np.array([lane_wanted(backend.engine.settings), native_wanted()], np.int8)
+        lane, native = self.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
+        if not lane:
             return
         try:
             window = self._planes.windows.create(
@@ -317,7 +318,7 @@ class Communicator(BlockingCalls):
         except WindowError as exc:
             self.abort(f"rank {self.rank}: could not open the same-host lane: {exc}")
             raise BrokenError(f"init on rank {self.rank}: the same-host lane: {exc}") from exc
-        backend.open_lane(Mailbox(self.rank, window.mine, window.peers))
+        backend.open_lane(open_mailbox(self.rank, window.mine, window.peers, bool(native)))
 
     # ---- life cycle ----------------------------------------------------------------------
 

@@ -39,9 +39,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from .algorithms.reduction import fold_quietly
 from .buffers import Buffer
 from .envvars import env_number
 from .errors import ClosedError
@@ -148,7 +145,8 @@ class Lane:
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Move the lane from the waiting thread until ``request`` is done, for at most
-        ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks."""
+        ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks (a native mailbox
+        waits for the peers' stamps itself, without the GIL)."""
         self.poke()  # the peers may be there already: then no spin to set up
         if request.done():
             return
@@ -158,12 +156,16 @@ class Lane:
             self.drivers += 1
         try:
             while not request.done() and time.monotonic() < end:
+                awaited = -1
                 if self._lock.acquire(blocking=False):
                     try:
                         self._advance()
+                        awaited = self._awaited()
                     finally:
                         self._lock.release()
-                if not request.done():
+                if request.done():
+                    break
+                if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
                     os.sched_yield()
         finally:
             with self._lock:
@@ -245,9 +247,17 @@ class Lane:
             if op.seq >= self._next or not self._complete(op):
                 break  # peers publish in order: nothing later is ready either
 
+    def _awaited(self) -> int:
+        """The oldest operation published and not complete, whose peers' stamps the lane needs
+        next (``Mailbox.wait``), or -1 for none."""
+        pending = self._pending
+        if not pending:
+            return -1
+        seq = next(iter(pending)) if len(pending) == 1 else min(pending)
+        return seq if seq < self._next else -1
+
     def _publish(self, seq: int, head: Header, posted: LaneOp | None) -> None:
-        data = None if posted is None else posted.buf.flat.view(np.uint8)
-        self.mailbox.publish(seq, head, data)
+        self.mailbox.publish(seq, head, None if posted is None else posted.buf.flat)
         self._next = seq + 1
         self.moved_at = time.monotonic()
 
@@ -268,9 +278,7 @@ class Lane:
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
-        buf = op.buf
-        fold_quietly(buf.dtype, op.op, self.mailbox.parts(seq, buf.flat.nbytes), buf.flat,
-                     self.world_size)  # fmt: skip
+        self.mailbox.combine(seq, op.buf.flat, op.buf.dtype, op.op)
         self._done_with(seq)
         self.completed += 1
         op.request.set_result(op.result())

@@ -20,10 +20,15 @@ needs (or never needed to). The owner reuses a slot for ``seq`` only once every 
 included, is through ``seq - SLOTS``, so nothing a reader may still read is ever overwritten,
 and the reader needs no lock and no second look.
 
-Nothing here blocks, sleeps or knows about threads: lane.py drives it. What a peer wrote is
-checked before use: a slot is read only if its stamp is the operation's, and its data only
-for the reader's own length, which fits a slot (the lane uses it only where the descriptors,
-counts included, agree).
+Nothing here blocks, sleeps or knows about threads: lane.py drives it (``wait`` only spins,
+for a time it is given). What a peer wrote is checked before use: a slot is read only if its
+stamp is the operation's, and its data only for the reader's own length, which fits a slot
+(the lane uses it only where the descriptors, counts included, agree).
+
+Two implementations, one layout: ``Mailbox`` in Python and numpy, the reference, and
+``NativeMailbox``, whose publish, look, fold and wait run in C (``_mailbox_core.pyx``, built
+by the set-up command where a C compiler is; ``open_mailbox`` picks it where every rank has
+it, so every rank folds with the same code).
 """
 
 from __future__ import annotations
@@ -35,9 +40,17 @@ from typing import TypeAlias
 import numpy as np
 
 from .algorithms import SMALL_ALLREDUCE_BYTES, Array
+from .algorithms.reduction import REDUCTION_CODES, DType, fold_quietly
+from .envvars import env_number
+
+try:
+    from ._mailbox_core import Core
+except ImportError:  # not built (no C compiler at set-up): the Python mailbox alone
+    Core = None  # type: ignore[assignment,misc]
 
 __all__ = ["AGREED", "DIFFERENT", "ELSEWHERE", "HERE", "SLOT_BYTES", "SLOTS", "WAITING", "Header",
-           "Mailbox", "header", "region_bytes", "supported"]  # fmt: skip
+           "Mailbox", "NativeMailbox", "header", "native_wanted", "open_mailbox", "region_bytes",
+           "supported"]  # fmt: skip
 
 SLOTS = 32  # operations a rank may have published ahead of its slowest peer
 SLOT_BYTES = SMALL_ALLREDUCE_BYTES  # the largest contribution a slot takes
@@ -69,6 +82,18 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def native_wanted() -> bool:
+    """Whether this rank can and would use ``NativeMailbox``: it was built, and
+    ASYNCREDUCE_NATIVE is not 0."""
+    return Core is not None and env_number("ASYNCREDUCE_NATIVE", 1, int, 0) > 0
+
+
+def open_mailbox(rank: int, mine: Array, peers: dict[int, Array], native: bool) -> Mailbox:
+    """Rank ``rank``'s mailbox over these regions: ``NativeMailbox`` if ``native`` (every rank
+    wants it: ``native_wanted``), else ``Mailbox``."""
+    return (NativeMailbox if native else Mailbox)(rank, mine, peers)
+
+
 class _Region:
     """One rank's region (a flat uint8 array of ``region_bytes()``): its counter and headers
     as int64 words (a memoryview: a store or load is one plain machine access, no numpy call),
@@ -97,6 +122,7 @@ class Mailbox:
         every = {**self._peers, rank: self._mine}
         self._slots = [every[r].slots for r in sorted(every)]  # every rank's, in rank order
         self._mine.words[0] = 0
+        self.world_size = len(every)
 
     def free(self, seq: int) -> bool:
         """Whether slot ``seq % SLOTS`` may take ``seq``: every rank, this one included (it
@@ -114,11 +140,11 @@ class Mailbox:
 
     def publish(self, seq: int, header: Header, data: Array | None) -> None:
         """Put ``seq``'s ``header`` (``header(...)``: HERE with this rank's contribution
-        ``data``, raw bytes of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its slot.
-        Only after ``free(seq)``."""
+        ``data``, a contiguous array of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its
+        slot. Only after ``free(seq)``."""
         base, words = _base(seq), self._mine.words
         if data is not None:
-            np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data)
+            np.copyto(self._mine.slots[seq % SLOTS][: data.nbytes], data.view(np.uint8))
         words[base + _STATE : base + _STATE + 6] = header  # one copy: a peer spins on this line
         words[base + _STAMP] = seq + 1  # last: a reader that sees it sees the rest
 
@@ -134,6 +160,17 @@ class Mailbox:
             if words[base + _STATE : base + _STATE + 6] != header:
                 return DIFFERENT
         return AGREED
+
+    def wait(self, seq: int, seconds: float) -> bool:
+        """Spin for at most ``seconds`` until every peer has published ``seq``: True once they
+        have. This one never spins (False: the caller's loop looks again); NativeMailbox's
+        does, without the GIL."""
+        return False
+
+    def combine(self, seq: int, out: Array, dtype: DType, op: str) -> None:
+        """``out`` = every rank's contribution to ``seq`` (``AGREED``) reduced with ``op`` in
+        rank order, as the engine's ``fold`` and ``finalize`` would."""
+        fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
 
     def missing(self, seq: int) -> set[int]:
         """The peers that have not published ``seq`` yet."""
@@ -157,3 +194,32 @@ class Mailbox:
     def done_through(self, seq: int) -> None:
         """Tell the peers this rank is done with every operation below ``seq``."""
         self._mine.words[0] = seq
+
+
+class NativeMailbox(Mailbox):
+    """``Mailbox`` with its hot steps in C (``_mailbox_core``): the same layout and results;
+    ``wait`` spins without the GIL. Only where ``native_wanted`` on every rank."""
+
+    def __init__(self, rank: int, mine: Array, peers: dict[int, Array]) -> None:
+        super().__init__(rank, mine, peers)
+        if Core is None:
+            raise RuntimeError("asyncreduce._mailbox_core was not built: use Mailbox")
+        regions = [mine if r == rank else peers[r] for r in range(self.world_size)]
+        self._core = Core(rank, regions, SLOTS, _FIELDS, _HEAD_WORDS, _DATA, SLOT_BYTES)
+
+    def publish(self, seq: int, header: Header, data: Array | None) -> None:
+        self._core.publish(seq, header, data)
+
+    def state(self, seq: int, header: Header) -> int:
+        return self._core.state(seq, header)
+
+    def wait(self, seq: int, seconds: float) -> bool:
+        return self._core.wait(seq, seconds)
+
+    def combine(self, seq: int, out: Array, dtype: DType, op: str) -> None:
+        if not self._core.fold(seq, out, dtype.code, REDUCTION_CODES[op]):
+            super().combine(seq, out, dtype, op)  # a type or reduction C does not fold
+
+    def release(self) -> None:
+        self._core.release()
+        super().release()

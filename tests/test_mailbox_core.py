@@ -75,10 +75,9 @@ def folded(kind: type[Mailbox], n: int, dtype: str, op: str, count: int) -> byte
     desc = Descriptor(KINDS["allreduce"], code.code, REDUCTION_CODES[op], 0, count)
     for r, box in enumerate(boxes):
         box.publish(5, header(HERE, desc), values(dtype, count, r))
-    assert boxes[0].state(5, header(HERE, desc)) == AGREED
     out = np.empty(count, code.storage)
     with np.errstate(all="raise"):  # no warning may escape either fold
-        boxes[0].combine(5, out, code, op)
+        assert boxes[0].collect(5, header(HERE, desc), out, code, op) == AGREED
     return out.tobytes()
 
 
@@ -123,9 +122,11 @@ def test_either_mailbox_reads_what_the_other_wrote(
         mine.publish(seq, header(HERE, desc), np.full(3, seq, np.float64))
         theirs.publish(seq, header(HERE, desc), np.ones(3, np.float64))
         assert theirs.state(seq, header(HERE, other)) == DIFFERENT
+        out = np.full(3, -1.0)
+        assert theirs.collect(seq, header(HERE, other), out, DTYPES["float64"], "sum") == DIFFERENT
+        assert out.tolist() == [-1.0] * 3  # untouched
         assert theirs.state(seq, header(HERE, desc)) == AGREED
-        out = np.empty(3)
-        theirs.combine(seq, out, DTYPES["float64"], "sum")
+        assert theirs.collect(seq, header(HERE, desc), out, DTYPES["float64"], "sum") == AGREED
         assert out.tolist() == [1.0 + seq] * 3
         for box in (mine, theirs):
             box.done_through(seq + 1)
@@ -154,7 +155,7 @@ def test_a_released_mailbox_refuses_every_call() -> None:
     out = np.ones(1, np.float32)
     f32 = DTYPES["float32"]
     for call in (lambda: a.publish(0, desc, None), lambda: a.state(0, desc),
-                 lambda: a.wait(0, 0.01), lambda: a.combine(0, out, f32, "sum")):  # fmt: skip
+                 lambda: a.wait(0, 0.01), lambda: a.collect(0, desc, out, f32, "sum")):  # fmt: skip
         with pytest.raises(ValueError, match="released"):
             call()
 

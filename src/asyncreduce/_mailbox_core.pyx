@@ -8,12 +8,14 @@ where it was built; the tests run both).
 Stamps are stored with release and loaded with acquire order, so a reader that sees a stamp
 sees the slot written before it on any CPU; on x86-64 both are plain moves, as in Python.
 
-The fold takes float32, float64, int8, int16, int32, int64 and uint8 with every reduction
-that the communicator accepts for them; ``fold`` returns False for anything else (bool,
-float16, bfloat16, complex), which mailbox.py then folds with numpy. Each element is combined
-left to right in rank order as numpy's ufuncs do it (``a + b``, NaN kept by max and min, as
-``np.maximum``), integers wrap (built with -fwrapv) and nothing is contracted into fused
-multiply-adds (-ffp-contract=off), so every rank that folds the same parts gets the same bits.
+The fold (``ar_fold``, in C below) takes float32, float64, int8, int16, int32, int64 and
+uint8 with every reduction that the communicator accepts for them; ``fold`` returns False for
+anything else (bool, float16, bfloat16, complex), which mailbox.py then folds with numpy.
+Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``, NaN
+kept by max and min, as ``np.maximum``), integers wrap (built with -fwrapv), and nothing is
+reassociated or contracted into fused multiply-adds (no -ffast-math, -ffp-contract=off): the
+compiler vectorizes across elements only, so every rank that folds the same parts gets the
+same bits, and numpy's.
 """
 
 from cpython.buffer cimport (
@@ -22,7 +24,7 @@ from cpython.buffer cimport (
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -30,89 +32,78 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 cdef extern from *:
     """
+    #include <sched.h>
+    #include <stddef.h>
+    #include <stdint.h>
+    #include <string.h>
+
     static inline void ar_store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
     static inline int64_t ar_load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    #include <sched.h>
+
+    /* reduction.REDUCTION_CODES and reduction.DTYPES' codes */
+    enum { AR_SUM = 1, AR_AVG, AR_MAX, AR_MIN, AR_PROD, AR_BAND, AR_BOR, AR_BXOR };
+    enum { AR_F32 = 2, AR_F64 = 3, AR_I32 = 4, AR_I64 = 5, AR_U8 = 6, AR_I8 = 8, AR_I16 = 12 };
+
+    /* Two loops per type and reduction, over pointers that do not overlap, so the compiler
+       may vectorize them: out = x (op) y, and out = out (op) y. */
+    #define AR_OP(T, NAME, EXPR) \
+        static void ar_pair_##NAME(T *restrict out, const T *restrict x, const T *restrict y, ptrdiff_t n) \
+        { for (ptrdiff_t i = 0; i < n; i++) { T a = x[i], b = y[i]; out[i] = (T)(EXPR); } } \
+        static void ar_acc_##NAME(T *restrict out, const T *restrict y, ptrdiff_t n) \
+        { for (ptrdiff_t i = 0; i < n; i++) { T a = out[i], b = y[i]; out[i] = (T)(EXPR); } }
+    /* NaN wins max and min, as in np.maximum; on a tie the earlier rank's value */
+    #define AR_ARITH(T, S) AR_OP(T, S##_sum, a + b) AR_OP(T, S##_prod, a * b) \
+        AR_OP(T, S##_max, (a >= b || a != a) ? a : b) AR_OP(T, S##_min, (a <= b || a != a) ? a : b)
+    #define AR_BITS(T, S) AR_OP(T, S##_band, a & b) AR_OP(T, S##_bor, a | b) AR_OP(T, S##_bxor, a ^ b)
+    AR_ARITH(float, f32) AR_ARITH(double, f64)
+    AR_ARITH(int8_t, i8) AR_ARITH(int16_t, i16) AR_ARITH(int32_t, i32) AR_ARITH(int64_t, i64)
+    AR_ARITH(uint8_t, u8)
+    AR_BITS(int8_t, i8) AR_BITS(int16_t, i16) AR_BITS(int32_t, i32) AR_BITS(int64_t, i64)
+    AR_BITS(uint8_t, u8)
+
+    #define AR_FOLD(T, NAME) do { \
+            ptrdiff_t n_ = nbytes / (ptrdiff_t)sizeof(T); \
+            ar_pair_##NAME((T *)out, (const T *)parts[0], (const T *)parts[1], n_); \
+            for (int r_ = 2; r_ < world; r_++) ar_acc_##NAME((T *)out, (const T *)parts[r_], n_); \
+        } while (0); break
+    #define AR_ARITH_CASES(T, S) \
+        case AR_SUM: AR_FOLD(T, S##_sum); case AR_PROD: AR_FOLD(T, S##_prod); \
+        case AR_MAX: AR_FOLD(T, S##_max); case AR_MIN: AR_FOLD(T, S##_min);
+    #define AR_INT_CASES(T, S) AR_ARITH_CASES(T, S) \
+        case AR_BAND: AR_FOLD(T, S##_band); case AR_BOR: AR_FOLD(T, S##_bor); \
+        case AR_BXOR: AR_FOLD(T, S##_bxor); default: return 0;
+    #define AR_FLOAT_CASES(T, S) AR_ARITH_CASES(T, S) \
+        case AR_AVG: AR_FOLD(T, S##_sum); default: return 0;
+    #define AR_DIVIDE(T) do { \
+            T *o_ = (T *)out; ptrdiff_t n_ = nbytes / (ptrdiff_t)sizeof(T); \
+            for (ptrdiff_t i = 0; i < n_; i++) o_[i] = o_[i] / (T)world; \
+        } while (0)
+
+    /* out = parts[0] (op) parts[1] (op) ... (world >= 2 parts of nbytes each, none of them
+       out), then divided by world for avg; 0, out untouched, for what is not folded here */
+    static int ar_fold(int dtype, int op, void *out, uint8_t *const *parts, int world,
+                       ptrdiff_t nbytes) {
+        if (world < 2) return 0;
+        switch (dtype) {
+        case AR_F32: switch (op) { AR_FLOAT_CASES(float, f32) } if (op == AR_AVG) AR_DIVIDE(float); return 1;
+        case AR_F64: switch (op) { AR_FLOAT_CASES(double, f64) } if (op == AR_AVG) AR_DIVIDE(double); return 1;
+        case AR_I8: switch (op) { AR_INT_CASES(int8_t, i8) } return 1;
+        case AR_I16: switch (op) { AR_INT_CASES(int16_t, i16) } return 1;
+        case AR_I32: switch (op) { AR_INT_CASES(int32_t, i32) } return 1;
+        case AR_I64: switch (op) { AR_INT_CASES(int64_t, i64) } return 1;
+        case AR_U8: switch (op) { AR_INT_CASES(uint8_t, u8) } return 1;
+        default: return 0;
+        }
+    }
     """
     void ar_store_release(int64_t *p, int64_t v) nogil
     int64_t ar_load_acquire(const int64_t *p) nogil
+    int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
     int sched_yield() nogil
 
 
-ctypedef fused number:
-    float
-    double
-    int8_t
-    int16_t
-    int32_t
-    int64_t
-    uint8_t
-
-cdef enum:  # reduction.REDUCTION_CODES
-    _SUM = 1
-    _AVG = 2
-    _MAX = 3
-    _MIN = 4
-    _PROD = 5
-    _BAND = 6
-    _BOR = 7
-    _BXOR = 8
-
 cdef enum:
     _HEADER_BYTES = 48  # state and the five descriptor fields, after the stamp
-
-cdef enum:  # reduction.DTYPES' codes of the types folded here
-    _FLOAT32 = 2
-    _FLOAT64 = 3
-    _INT32 = 4
-    _INT64 = 5
-    _UINT8 = 6
-    _INT8 = 8
-    _INT16 = 12
-
-
-cdef inline bint _is_nan(number x) noexcept nogil:
-    return x != x
-
-
-cdef void _fold(number *out, uint8_t **parts, int world, Py_ssize_t count, int op) noexcept nogil:
-    """out = parts[0] (op) parts[1] (op) ..., element by element, left to right (``op``
-    checked by the caller: a bitwise one only for integers)."""
-    cdef Py_ssize_t i
-    cdef int r
-    cdef number a, b
-    cdef number *first = <number *>parts[0]
-    cdef number *part
-    for i in range(count):
-        out[i] = first[i]
-    for r in range(1, world):
-        part = <number *>parts[r]
-        if op == _SUM or op == _AVG:
-            for i in range(count):
-                out[i] = out[i] + part[i]
-        elif op == _PROD:
-            for i in range(count):
-                out[i] = out[i] * part[i]
-        elif op == _MAX:
-            for i in range(count):
-                a, b = out[i], part[i]
-                out[i] = a if (a >= b or _is_nan(a)) else b
-        elif op == _MIN:
-            for i in range(count):
-                a, b = out[i], part[i]
-                out[i] = a if (a <= b or _is_nan(a)) else b
-        elif op == _BAND:
-            for i in range(count):
-                out[i] = <number>(<int64_t>out[i] & <int64_t>part[i])
-        elif op == _BOR:
-            for i in range(count):
-                out[i] = <number>(<int64_t>out[i] | <int64_t>part[i])
-        else:
-            for i in range(count):
-                out[i] = <number>(<int64_t>out[i] ^ <int64_t>part[i])
-    if op == _AVG and world > 1:
-        for i in range(count):
-            out[i] = out[i] / <number>world
 
 
 cdef inline double _now() noexcept nogil:
@@ -206,9 +197,20 @@ cdef class Core:
     def state(self, int64_t seq, object header):
         """0 (waiting) while a peer has not published ``seq``; 1 (agreed) if every peer's
         header is ``header``; 2 (different) otherwise."""
+        return self._collect(seq, header, None)
+
+    def collect(self, int64_t seq, object header, object out):
+        """``state``, and where every peer agrees, ``out`` = every rank's contribution folded
+        in rank order (then divided by the world size for ``avg``), the element type and
+        reduction read from ``header``; 3 instead of 1 for a type or reduction this module
+        does not fold, ``out`` untouched."""
+        return self._collect(seq, header, out)
+
+    cdef int _collect(self, int64_t seq, object header, object out) except -1:
         cdef Py_buffer view
         cdef Py_ssize_t base = self._base(seq)
-        cdef int r
+        cdef const int64_t *mine
+        cdef int r, state = 1
         self._check()
         if not self._stamped(base, seq + 1):
             return 0
@@ -220,9 +222,12 @@ cdef class Core:
                 if r != self.rank and memcmp(self._words[r] + base + 1, view.buf,
                                              _HEADER_BYTES) != 0:
                     return 2
+            mine = <const int64_t *>view.buf
+            if out is not None and not self._fold(seq, out, <int>mine[2], <int>mine[3]):
+                state = 3
         finally:
             PyBuffer_Release(&view)
-        return 1
+        return state
 
     def wait(self, int64_t seq, double seconds):
         """Until every peer has stamped ``seq`` (True) or ``seconds`` have passed (False),
@@ -245,36 +250,20 @@ cdef class Core:
         """``out`` = every rank's contribution to ``seq`` folded in rank order, then divided
         by the world size for ``avg`` (``dtype_code``, ``op``: reduction.py's codes). False,
         with ``out`` untouched, for an element type or reduction this module does not fold."""
+        self._check()
+        return self._fold(seq, out, dtype_code, op)
+
+    cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:
         cdef Py_buffer view
         cdef Py_ssize_t slot = (seq % self.slots) * self.slot_bytes
-        cdef int r
-        cdef bint floating = dtype_code == _FLOAT32 or dtype_code == _FLOAT64
-        if not (floating or dtype_code == _INT32 or dtype_code == _INT64 or dtype_code == _UINT8
-                or dtype_code == _INT8 or dtype_code == _INT16):
-            return False
-        if not (_SUM <= op <= _BXOR) or (floating and op >= _BAND) or (op == _AVG and not floating):
-            return False
-        self._check()
+        cdef int r, done
         PyObject_GetBuffer(out, &view, PyBUF_ANY_CONTIGUOUS | PyBUF_WRITABLE)
         try:
             if view.len > self.slot_bytes:
                 raise ValueError(f"{view.len} bytes do not fit a {self.slot_bytes}-byte slot")
             for r in range(self.world):
                 self._parts[r] = self._data[r] + slot
-            if dtype_code == _FLOAT32:
-                _fold(<float *>view.buf, self._parts, self.world, view.len // 4, op)
-            elif dtype_code == _FLOAT64:
-                _fold(<double *>view.buf, self._parts, self.world, view.len // 8, op)
-            elif dtype_code == _INT32:
-                _fold(<int32_t *>view.buf, self._parts, self.world, view.len // 4, op)
-            elif dtype_code == _INT64:
-                _fold(<int64_t *>view.buf, self._parts, self.world, view.len // 8, op)
-            elif dtype_code == _INT16:
-                _fold(<int16_t *>view.buf, self._parts, self.world, view.len // 2, op)
-            elif dtype_code == _INT8:
-                _fold(<int8_t *>view.buf, self._parts, self.world, view.len, op)
-            else:
-                _fold(<uint8_t *>view.buf, self._parts, self.world, view.len, op)
+            done = ar_fold(dtype_code, op, view.buf, self._parts, self.world, view.len)
         finally:
             PyBuffer_Release(&view)
-        return True
+        return done != 0

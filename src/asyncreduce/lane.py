@@ -268,7 +268,8 @@ class Lane:
     def _complete(self, op: LaneOp) -> bool:
         """Finish ``op`` if every peer's slot holds it; False while one does not yet."""
         seq = op.seq
-        state = self.mailbox.state(seq, op.header)
+        buf = op.buf
+        state = self.mailbox.collect(seq, op.header, buf.flat, buf.dtype, op.op)
         if state == WAITING:
             return False
         del self._pending[seq]
@@ -278,7 +279,6 @@ class Lane:
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
-        self.mailbox.combine(seq, op.buf.flat, op.buf.dtype, op.op)
         self._done_with(seq)
         self.completed += 1
         op.request.set_result(op.result())

@@ -40,7 +40,7 @@ from typing import TypeAlias
 import numpy as np
 
 from .algorithms import SMALL_ALLREDUCE_BYTES, Array
-from .algorithms.reduction import REDUCTION_CODES, DType, fold_quietly
+from .algorithms.reduction import DType, fold_quietly
 from .envvars import env_number
 
 try:
@@ -56,6 +56,7 @@ SLOTS = 32  # operations a rank may have published ahead of its slowest peer
 SLOT_BYTES = SMALL_ALLREDUCE_BYTES  # the largest contribution a slot takes
 HERE, ELSEWHERE = 1, 2  # what a slot holds
 WAITING, AGREED, DIFFERENT = 0, 1, 2  # what the peers' slots for one operation say
+_AGREED_UNFOLDED = 3  # (the C mailbox's word for AGREED where it left the fold to numpy)
 
 _STAMP, _STATE = 0, 1  # header fields (int64): stamp, state, then the 5 descriptor fields
 _FIELDS = 8  # per slot header: 64 bytes, a cache line
@@ -167,10 +168,14 @@ class Mailbox:
         does, without the GIL."""
         return False
 
-    def combine(self, seq: int, out: Array, dtype: DType, op: str) -> None:
-        """``out`` = every rank's contribution to ``seq`` (``AGREED``) reduced with ``op`` in
-        rank order, as the engine's ``fold`` and ``finalize`` would."""
-        fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+    def collect(self, seq: int, header: Header, out: Array, dtype: DType, op: str) -> int:
+        """``state(seq, header)``, and where it is ``AGREED``, ``out`` = every rank's
+        contribution reduced with ``op`` in rank order, as the engine's ``fold`` and
+        ``finalize`` would (``header`` is ``out``'s, with ``dtype`` and ``op``)."""
+        state = self.state(seq, header)
+        if state == AGREED:
+            fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+        return state
 
     def missing(self, seq: int) -> set[int]:
         """The peers that have not published ``seq`` yet."""
@@ -216,9 +221,12 @@ class NativeMailbox(Mailbox):
     def wait(self, seq: int, seconds: float) -> bool:
         return self._core.wait(seq, seconds)
 
-    def combine(self, seq: int, out: Array, dtype: DType, op: str) -> None:
-        if not self._core.fold(seq, out, dtype.code, REDUCTION_CODES[op]):
-            super().combine(seq, out, dtype, op)  # a type or reduction C does not fold
+    def collect(self, seq: int, header: Header, out: Array, dtype: DType, op: str) -> int:
+        state = self._core.collect(seq, header, out)
+        if state == _AGREED_UNFOLDED:  # a type or reduction C does not fold: numpy's
+            fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+            return AGREED
+        return state
 
     def release(self) -> None:
         self._core.release()

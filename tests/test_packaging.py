@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -60,3 +61,32 @@ def test_asyncreduce_torch_without_torch_says_what_to_install() -> None:
     core = subprocess.run([sys.executable, "-c", code.replace(".torch", "")],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert core.returncode == 0, core.stderr[-500:]
+
+
+@pytest.mark.slow
+def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_path: Path) -> None:
+    """The C mailbox is optional: a wheel built where the compiler fails has no extension,
+    installs, and folds with numpy (the suite itself runs both mailboxes where it was built)."""
+    env = {**os.environ, "CC": "false", "LDSHARED": "false"}
+    wheels = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels),
+                    str(ROOT)], env=env, check=True, timeout=600)  # fmt: skip
+    (wheel,) = wheels.glob("asyncreduce-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(tmp_path / "site"), str(wheel)], check=True, timeout=300)  # fmt: skip
+    assert not list((tmp_path / "site" / "asyncreduce").glob("_mailbox_core*.so"))
+    probe = (
+        "import numpy as np, asyncreduce.mailbox as m\n"
+        "assert m.Core is None and not m.native_wanted(), m.__file__\n"
+        "r = [np.zeros(m.region_bytes(), np.uint8) for _ in range(2)]\n"
+        "a, b = m.Mailbox(0, r[0], {1: r[1]}), m.Mailbox(1, r[1], {0: r[0]})\n"
+        "from asyncreduce.algorithms.reduction import DTYPES\n"
+        "h = m.header(m.HERE, (1, 2, 1, 0, 3))\n"
+        "a.publish(0, h, np.ones(3, np.float32)); b.publish(0, h, np.full(3, 2, np.float32))\n"
+        "out = np.empty(3, np.float32)\n"
+        "assert a.collect(0, h, out, DTYPES['float32'], 'sum') == m.AGREED\n"
+        "print(out.tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "[3.0, 3.0, 3.0]", done.stderr

@@ -36,6 +36,11 @@ class Buffer:
     like: Callable[[Array], Any]  # a numpy array (same dtype) -> the caller's type
 
 
+def _same(a: Array) -> Any:
+    """A numpy array's ``like``: the result is the array itself."""
+    return a
+
+
 def as_buffer(x: Any, what: str, *, inplace: bool = True, copy: bool = True) -> Buffer:
     """View ``x`` as a flat array the operation writes (``inplace``), or a copy of it
     (``inplace=False``), or, with ``copy=False`` too, a view the operation only reads."""
@@ -70,7 +75,7 @@ def device_buffer(x: Any, what: str) -> Buffer | None:
     if dtype is None:
         raise UsageError(f"{what} has dtype {x.dtype}; supported: {_SUPPORTED}")
     torch.autograd.graph.increment_version(x)
-    return Buffer(x, x.detach().view(-1), tuple(x.shape), dtype, lambda a: a)
+    return Buffer(x, x.detach().view(-1), tuple(x.shape), dtype, _same)
 
 
 def _read_only(x: Any, what: str) -> Buffer:
@@ -78,7 +83,7 @@ def _read_only(x: Any, what: str) -> Buffer:
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             raise UsageError(f"{what} is not contiguous; pass np.ascontiguousarray({what})")
-        return Buffer(x, x.reshape(-1), x.shape, _dtype_of(x.dtype, what), lambda a: a)
+        return Buffer(x, x.reshape(-1), x.shape, _dtype_of(x.dtype, what), _same)
     if type(x).__module__.startswith("torch") and hasattr(x, "data_ptr"):
         found = _torch(x.detach(), what, inplace=True, bump=False)
         return Buffer(x, found.flat, found.shape, found.dtype, found.like)
@@ -102,12 +107,13 @@ _BY_NUMPY: dict[np.dtype[Any], DType] = {
 
 def _numpy(x: Array, what: str, inplace: bool) -> Buffer:
     dtype = _dtype_of(x.dtype, what)
-    if not x.flags.c_contiguous:
+    flags = x.flags  # (a new object at every look)
+    if not flags.c_contiguous:
         raise UsageError(f"{what} is not contiguous; pass np.ascontiguousarray({what}) instead")
-    if inplace and not x.flags.writeable:
+    if inplace and not flags.writeable:
         raise UsageError(f"{what} is read-only; pass a writable array or inplace=False")
     data = x if inplace else x.copy()
-    return Buffer(data, data.reshape(-1), x.shape, dtype, lambda a: a)
+    return Buffer(data, data.reshape(-1), x.shape, dtype, _same)
 
 
 def _torch(t: Any, what: str, inplace: bool, bump: bool = True) -> Buffer:
@@ -160,4 +166,4 @@ def _buffer(x: Any, view: memoryview, what: str, inplace: bool) -> Buffer:
         if not isinstance(data, np.ndarray)
         else data.reshape(-1)
     )
-    return Buffer(data, flat, arr.shape, dtype, lambda a: a)
+    return Buffer(data, flat, arr.shape, dtype, _same)

@@ -13,6 +13,7 @@ source match like any other operation, in the order posted.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections import defaultdict
 
@@ -32,20 +33,23 @@ class Keys:
         self._unnamed = prefix.encode()  # the wire name of every unnamed operation
         self._fits = len(self._unnamed) <= MAX_NAME_BYTES  # (else every post is refused below)
         self._lock = threading.Lock()
+        self._unnamed_posted = itertools.count()  # next() is one C call, atomic under the GIL
         self._posted: defaultdict[str, int] = defaultdict(int)
         self._groups: defaultdict[tuple[int, ...], int] = defaultdict(int)
 
     def next(self, name: str | None) -> Key:
         """The key of the next operation posted as ``name`` (None: unnamed)."""
-        if name is None and self._fits:  # most posts: nothing to check or encode
-            name, wire = self.prefix, self._unnamed
-        else:
-            if name is not None and (not isinstance(name, str) or not name):
-                raise UsageError(f"name must be a non-empty string or None, got {name!r}")
-            name = self.prefix + (name or "")
-            wire = name.encode()
-            if len(wire) > MAX_NAME_BYTES:
-                raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
+        if name is None:  # most posts: nothing to check or encode, no lock
+            if not self._fits:
+                too_long = len(self._unnamed)
+                raise UsageError(f"name is {too_long} bytes long; at most {MAX_NAME_BYTES}")
+            return self._unnamed, next(self._unnamed_posted)
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"name must be a non-empty string or None, got {name!r}")
+        name = self.prefix + name
+        wire = name.encode()
+        if len(wire) > MAX_NAME_BYTES:
+            raise UsageError(f"name is {len(wire)} bytes long; at most {MAX_NAME_BYTES}")
         with self._lock:
             instance = self._posted[name]
             self._posted[name] = instance + 1

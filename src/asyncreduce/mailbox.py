@@ -33,6 +33,7 @@ it, so every rank folds with the same code).
 
 from __future__ import annotations
 
+import functools
 import platform
 from array import array
 from typing import TypeAlias
@@ -68,8 +69,11 @@ _HEAD_WORDS = _HEAD // 8
 Header: TypeAlias = "array[int]"  # a slot's header after its stamp: state, the 5 fields
 
 
+@functools.lru_cache(maxsize=1024)
 def header(state: int, descriptor: tuple[int, ...]) -> Header:
-    """What ``publish`` writes after the stamp, and ``state`` compares with, as one block."""
+    """What ``publish`` writes after the stamp, and ``state`` compares with, as one block;
+    shared by every operation with the same descriptor (a loop posts the same few), so
+    never written to."""
     return array("q", (state, *descriptor))
 
 

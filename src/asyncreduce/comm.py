@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import forks, plans
-from .algorithms import Array, reduction_refused
+from .algorithms import REDUCIBLE, Array, reduction_refused
 from .backends import Backend, backend_for
 from .backends.native import NativeBackend
 from .blocking import BlockingCalls
@@ -105,7 +105,8 @@ class Communicator(BlockingCalls):
         """Start reducing ``x`` over all ranks with ``op`` (sum, avg, max, min, prod)."""
         buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
         self._check_reduction(op, buf)
-        return self._post("allreduce", buf, lambda: buf.original, op, 0, name, priority, timeout)
+        plan = Plan("allreduce", buf, lambda: buf.original, op)
+        return self._submit(plan, name, priority, timeout)
 
     def ibroadcast(
         self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
@@ -114,9 +115,8 @@ class Communicator(BlockingCalls):
         """Start copying ``x`` of rank ``root`` into ``x`` of every rank."""
         buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
         self._check_root(root)
-        return self._post(
-            "broadcast", buf, lambda: buf.original, None, root, name, priority, timeout
-        )
+        plan = Plan("broadcast", buf, lambda: buf.original, None, root)
+        return self._submit(plan, name, priority, timeout)
 
     def iallgather(
         self, x: Any, *, name: str | None = None, priority: int = 0, timeout: float | None = None
@@ -144,7 +144,7 @@ class Communicator(BlockingCalls):
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
         buf = as_buffer(_EMPTY, "barrier")
-        return self._post("barrier", buf, lambda: None, None, 0, name, 0, timeout)
+        return self._submit(Plan("barrier", buf, lambda: None), name, 0, timeout)
 
     def ireduce(
         self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,
@@ -432,9 +432,8 @@ class Communicator(BlockingCalls):
         return buf
 
     def _check_reduction(self, op: str, buf: Buffer) -> None:
-        refused = reduction_refused(buf.dtype, op)
-        if refused is not None:
-            raise UsageError(refused)
+        if not (isinstance(op, str) and (buf.dtype.code, op) in REDUCIBLE):  # (one set look)
+            raise UsageError(reduction_refused(buf.dtype, op) or f"op={op!r} is refused")
 
     def _check_root(self, root: Any) -> None:
         if not (isinstance(root, int) and 0 <= root < self.world_size):
@@ -446,12 +445,6 @@ class Communicator(BlockingCalls):
         if not (isinstance(peer, int) and 0 <= peer < self.world_size) or peer == self.rank:
             raise UsageError(f"{what}={peer!r} is not another rank of this communicator "
                              f"(0..{self.world_size - 1}, not {self.rank})")  # fmt: skip
-
-    def _post(
-        self, kind: str, buf: Buffer, result: Any, op: str | None, root: int,
-        name: str | None, priority: int, timeout: float | None,
-    ) -> Request[Any]:  # fmt: skip
-        return self._submit(Plan(kind, buf, result, op, root), name, priority, timeout)
 
     def _submit(
         self, plan: Plan, name: str | None, priority: int, timeout: float | None,
@@ -468,7 +461,8 @@ class Communicator(BlockingCalls):
             )
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
-        self._check_process(kind)
+        if self._forked():
+            self._check_process(kind)
         refused = self._backend.refusal(plan, priority)
         if refused is not None:
             raise UsageError(refused)

@@ -147,7 +147,7 @@ class Lane:
         """Move the lane from the waiting thread until ``request`` is done, for at most
         ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks (a native mailbox
         waits for the peers' stamps itself, without the GIL)."""
-        self.poke()  # the peers may be there already: then no spin to set up
+        awaited = self._look()  # the peers may be there already: then no spin to set up
         if request.done():
             return
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
@@ -155,18 +155,12 @@ class Lane:
         with self._lock:
             self.drivers += 1
         try:
-            while not request.done() and time.monotonic() < end:
-                awaited = -1
-                if self._lock.acquire(blocking=False):
-                    try:
-                        self._advance()
-                        awaited = self._awaited()
-                    finally:
-                        self._lock.release()
-                if request.done():
-                    break
+            while True:
                 if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
                     os.sched_yield()
+                awaited = self._look()
+                if request.done() or time.monotonic() >= end:
+                    break
         finally:
             with self._lock:
                 self.drivers -= 1
@@ -175,11 +169,18 @@ class Lane:
 
     def poke(self) -> None:
         """One look (``Request.test``), unless another thread is moving the lane."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._advance()
-            finally:
-                self._lock.release()
+        self._look()
+
+    def _look(self) -> int:
+        """Publish and complete what can be, unless another thread is moving the lane; then
+        the operation whose peers the lane waits for (``_awaited``), or -1."""
+        if not self._lock.acquire(blocking=False):
+            return -1
+        try:
+            self._advance()
+            return self._awaited()
+        finally:
+            self._lock.release()
 
     def wake(self) -> None:
         """Have the progress thread look soon (a request nobody may wait on)."""

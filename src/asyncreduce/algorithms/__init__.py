@@ -13,6 +13,7 @@ from .exchange import Exchange
 from .reduction import (
     DTYPE_BY_CODE,
     DTYPES,
+    REDUCIBLE,
     REDUCTION_CODES,
     REDUCTIONS,
     DType,
@@ -54,6 +55,7 @@ __all__ = [
     "combine",
     "finalize",
     "reduction_refused",
+    "REDUCIBLE",
     "segments",
     "split",
 ]

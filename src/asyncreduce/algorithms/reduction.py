@@ -36,6 +36,7 @@ __all__ = [
     "DType",
     "DTYPES",
     "DTYPE_BY_CODE",
+    "REDUCIBLE",
     "REDUCTIONS",
     "REDUCTION_CODES",
     "combine",
@@ -127,6 +128,12 @@ def reduction_refused(dtype: DType, op: str) -> str | None:
     if op in ("max", "min") and dtype.is_complex:
         return f"op={op!r} needs real numbers, x is {dtype.name} (complex numbers have no order)"
     return None
+
+
+#: Every (dtype code, op) that ``reduction_refused`` allows: one set look per post.
+REDUCIBLE: Final[frozenset[tuple[int, str]]] = frozenset(
+    (d.code, op) for d in DTYPES.values() for op in REDUCTIONS if reduction_refused(d, op) is None
+)
 
 
 def _bf16_to_f32(bits: NDArray[np.uint16]) -> NDArray[np.float32]:

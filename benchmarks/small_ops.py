@@ -9,7 +9,8 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
   engine written in Python on TCP can be faster than the first.
 * **lane alone**: the same-host lane's whole call (``iallreduce`` and ``wait``), in one thread:
   two communicators over mailboxes in plain memory take turns, so nothing waits for another
-  core: what our Python costs per rank per operation on that path.
+  core: what our Python costs per rank per operation on that path; with the C mailbox (where
+  it was built) and with the Python one.
 * **protocol**: our protocol alone, in one thread: two ``Session`` objects post the allreduce,
   hand each other their frames (packed and parsed headers) and complete it. No socket, no
   thread: the CPU the protocol itself costs per rank per operation (the operations are built
@@ -188,11 +189,12 @@ class _NoEngine:
         pass
 
 
-def lane_us(nbytes: int, world: int = 2) -> float:
+def lane_us(nbytes: int, world: int = 2, native: bool = True) -> float:
     """CPU microseconds per rank per allreduce through the same-host lane, the whole call
     (``iallreduce`` and ``wait``), in one thread: ``world`` communicators over mailboxes in
     plain memory take turns (every rank but 0 posts, rank 0 completes, the others wait), so
-    no core waits for another and nothing but our Python is timed."""
+    no core waits for another and nothing but our Python is timed. ``native``: with the C
+    mailbox where it was built (else, and with False, the Python one)."""
     from asyncreduce.backends.native import NativeBackend
     from asyncreduce.comm import Communicator
     from asyncreduce.mailbox import native_wanted, open_mailbox, region_bytes
@@ -203,7 +205,7 @@ def lane_us(nbytes: int, world: int = 2) -> float:
     for r in range(world):
         backend = NativeBackend(_NoEngine(r, world), r, world, SharedPlanes(False, None))  # type: ignore[arg-type]
         peers = {p: regions[p] for p in range(world) if p != r}
-        backend.open_lane(open_mailbox(r, regions[r], peers, native_wanted()))
+        backend.open_lane(open_mailbox(r, regions[r], peers, native and native_wanted()))
         comms.append(Communicator(r, world, backend))
     xs = [np.ones(nbytes // 4, np.float32) for _ in range(world)]
 
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                  median(protocol_us, nbytes)))  # fmt: skip
     rows.append(("lane_cpu", "same-host lane, whole call, CPU per rank (2 ranks, 1 thread)",
                  median(lane_us, nbytes)))  # fmt: skip
+    rows.append(("lane_python_cpu", "  the same with the Python mailbox (ASYNCREDUCE_NATIVE=0)",
+                 median(lane_us, nbytes, 2, False)))  # fmt: skip
     for n in args.nprocs:
         for setting, tag, what in _PATHS:
             call = n == args.nprocs[0] and tag == "spin"  # the call once: it has no peers

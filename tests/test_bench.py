@@ -87,3 +87,4 @@ def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     # the lane's whole call in one thread costs less than one operation on the engine's path
     # (not compared with the lane's real ranks: their CPU per operation is about the same)
     assert 0 < us["lane_cpu"] < us["n2_spin_cpu"], us
+    assert 0 < us["lane_python_cpu"] < us["n2_spin_cpu"], us

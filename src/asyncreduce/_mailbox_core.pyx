@@ -11,11 +11,13 @@ sees the slot written before it on any CPU; on x86-64 both are plain moves, as i
 The fold (``ar_fold``, in C below) takes float32, float64, int8, int16, int32, int64 and
 uint8 with every reduction that the communicator accepts for them; ``fold`` returns False for
 anything else (bool, float16, bfloat16, complex), which mailbox.py then folds with numpy.
-Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``, NaN
-kept by max and min, as ``np.maximum``), integers wrap (built with -fwrapv), and nothing is
-reassociated or contracted into fused multiply-adds (no -ffast-math, -ffp-contract=off): the
-compiler vectorizes across elements only, so every rank that folds the same parts gets the
-same bits, and numpy's.
+Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``; max
+and min keep a NaN and give a tie of -0.0 and 0.0 to the later operand, as ``np.maximum``),
+integers wrap (built with -fwrapv), and nothing is reassociated or contracted into fused
+multiply-adds (no -ffast-math, -ffp-contract=off): the compiler vectorizes across elements
+only, so every rank that folds the same parts gets the same bits, and numpy's but for which
+NaN a sum of two different NaNs keeps (x86 takes one operand's; the operands' order is the
+compiler's).
 """
 
 from cpython.buffer cimport (
@@ -51,9 +53,9 @@ cdef extern from *:
         { for (ptrdiff_t i = 0; i < n; i++) { T a = x[i], b = y[i]; out[i] = (T)(EXPR); } } \
         static void ar_acc_##NAME(T *restrict out, const T *restrict y, ptrdiff_t n) \
         { for (ptrdiff_t i = 0; i < n; i++) { T a = out[i], b = y[i]; out[i] = (T)(EXPR); } }
-    /* NaN wins max and min, as in np.maximum; on a tie the earlier rank's value */
+    /* NaN wins max and min, and a tie (-0.0 and 0.0) goes to the later operand, as in np.maximum */
     #define AR_ARITH(T, S) AR_OP(T, S##_sum, a + b) AR_OP(T, S##_prod, a * b) \
-        AR_OP(T, S##_max, (a >= b || a != a) ? a : b) AR_OP(T, S##_min, (a <= b || a != a) ? a : b)
+        AR_OP(T, S##_max, (a > b || a != a) ? a : b) AR_OP(T, S##_min, (a < b || a != a) ? a : b)
     #define AR_BITS(T, S) AR_OP(T, S##_band, a & b) AR_OP(T, S##_bor, a | b) AR_OP(T, S##_bxor, a ^ b)
     AR_ARITH(float, f32) AR_ARITH(double, f64)
     AR_ARITH(int8_t, i8) AR_ARITH(int16_t, i16) AR_ARITH(int32_t, i32) AR_ARITH(int64_t, i64)
@@ -125,13 +127,19 @@ cdef class Core:
     cdef int world, rank, slots, fields, head_words
     cdef Py_ssize_t slot_bytes
 
-    def __cinit__(self, int rank, list regions, int slots, int fields, int head_words,
+    def __cinit__(self, int rank, object regions, int slots, int fields, int head_words,
                   Py_ssize_t data, Py_ssize_t slot_bytes):
         cdef int r
         cdef uintptr_t address
+        regions = tuple(regions)  # (a list the caller keeps could be emptied under us)
         self.world = len(regions)
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is not one of {self.world} regions")
+        if slots < 1 or fields < 7 or slot_bytes < 0 or data < (head_words + slots * fields) * 8:
+            raise ValueError("not a mailbox layout")
+        for r in range(self.world):
+            if regions[r].nbytes < data + slots * slot_bytes or not regions[r].flags.c_contiguous:
+                raise ValueError(f"region {r} is not a contiguous {data + slots * slot_bytes} bytes")
         self._words = <int64_t **>malloc(self.world * sizeof(int64_t *))
         self._data = <uint8_t **>malloc(self.world * sizeof(uint8_t *))
         self._parts = <uint8_t **>malloc(self.world * sizeof(uint8_t *))
@@ -146,13 +154,16 @@ cdef class Core:
         self.slot_bytes = slot_bytes
 
     def release(self):
-        """Let go of the regions (their memory goes once nothing else holds it); every later
-        call raises ValueError, and a ``wait`` under way keeps them until it returns."""
+        """Let go of the regions (their memory goes once nothing else holds it): every later
+        call raises ValueError but ``wait``, which returns True, and a ``wait`` under way
+        keeps them until it returns."""
         self._regions = None
 
-    cdef inline int _check(self) except -1:
+    cdef inline int _check(self, int64_t seq) except -1:
         if self._regions is None:
             raise ValueError("this mailbox was released")
+        if seq < 0:
+            raise ValueError(f"no operation has the sequence number {seq}")
         return 0
 
     def __dealloc__(self):
@@ -167,7 +178,7 @@ cdef class Core:
         """Write ``data`` (a contiguous buffer or None) and ``header`` (48 bytes) into this
         rank's slot for ``seq``, then its stamp."""
         cdef Py_buffer view
-        self._check()
+        self._check(seq)
         cdef int64_t *words = self._words[self.rank] + self._base(seq)
         if data is not None:
             PyObject_GetBuffer(data, &view, PyBUF_ANY_CONTIGUOUS)
@@ -211,7 +222,7 @@ cdef class Core:
         cdef Py_ssize_t base = self._base(seq)
         cdef const int64_t *mine
         cdef int r, state = 1
-        self._check()
+        self._check(seq)
         if not self._stamped(base, seq + 1):
             return 0
         PyObject_GetBuffer(header, &view, PyBUF_ANY_CONTIGUOUS)
@@ -231,13 +242,16 @@ cdef class Core:
 
     def wait(self, int64_t seq, double seconds):
         """Until every peer has stamped ``seq`` (True) or ``seconds`` have passed (False),
-        yielding the core between looks, without the GIL."""
+        yielding the core between looks, without the GIL; True at once once released (the
+        lane closed: its waiter looks again and finds its request failed)."""
         cdef Py_ssize_t base = self._base(seq)
         cdef int64_t stamp = seq + 1
         cdef bint there
         cdef double end
         cdef object regions = self._regions  # alive until this returns, released or not
-        self._check()
+        if regions is None:
+            return True  # released (the lane closed): nothing to wait for, look again
+        self._check(seq)
         with nogil:
             end = _now() + seconds
             there = self._stamped(base, stamp)
@@ -250,7 +264,7 @@ cdef class Core:
         """``out`` = every rank's contribution to ``seq`` folded in rank order, then divided
         by the world size for ``avg`` (``dtype_code``, ``op``: reduction.py's codes). False,
         with ``out`` untouched, for an element type or reduction this module does not fold."""
-        self._check()
+        self._check(seq)
         return self._fold(seq, out, dtype_code, op)
 
     cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:

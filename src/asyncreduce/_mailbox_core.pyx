@@ -9,7 +9,7 @@ Stamps are stored with release and loaded with acquire order, so a reader that s
 sees the slot written before it on any CPU; on x86-64 both are plain moves, as in Python.
 
 The fold (``ar_fold``, in C below) takes float32, float64, int8, int16, int32, int64 and
-uint8 with every reduction that the communicator accepts for them; ``fold`` returns False for
+uint8 with every reduction that the communicator accepts for them; ``collect`` says 3 for
 anything else (bool, float16, bfloat16, complex), which mailbox.py then folds with numpy.
 Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``; max
 and min keep a NaN and give a tie of -0.0 and 0.0 to the later operand, as ``np.maximum``),
@@ -260,14 +260,10 @@ cdef class Core:
                 there = self._stamped(base, stamp)
         return there
 
-    def fold(self, int64_t seq, object out, int dtype_code, int op):
+    cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:
         """``out`` = every rank's contribution to ``seq`` folded in rank order, then divided
         by the world size for ``avg`` (``dtype_code``, ``op``: reduction.py's codes). False,
         with ``out`` untouched, for an element type or reduction this module does not fold."""
-        self._check(seq)
-        return self._fold(seq, out, dtype_code, op)
-
-    cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:
         cdef Py_buffer view
         cdef Py_ssize_t slot = (seq % self.slots) * self.slot_bytes
         cdef int r, done

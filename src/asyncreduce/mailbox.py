@@ -178,8 +178,11 @@ class Mailbox:
         ``finalize`` would (``header`` is ``out``'s, with ``dtype`` and ``op``)."""
         state = self.state(seq, header)
         if state == AGREED:
-            fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+            self._fold(seq, out, dtype, op)
         return state
+
+    def _fold(self, seq: int, out: Array, dtype: DType, op: str) -> None:
+        fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
 
     def missing(self, seq: int) -> set[int]:
         """The peers that have not published ``seq`` yet."""
@@ -228,7 +231,7 @@ class NativeMailbox(Mailbox):
     def collect(self, seq: int, header: Header, out: Array, dtype: DType, op: str) -> int:
         state = self._core.collect(seq, header, out)
         if state == _AGREED_UNFOLDED:  # a type or reduction C does not fold: numpy's
-            fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+            self._fold(seq, out, dtype, op)
             return AGREED
         return state
 

@@ -67,11 +67,35 @@ class World:
         ]  # fmt: skip
 
 
-def lane_op(seq: int, x: np.ndarray[Any, Any], op: str = "sum") -> LaneOp:
+def lane_op(
+    seq: int, x: np.ndarray[Any, Any], op: str = "sum", timeout: float | None = None
+) -> LaneOp:
     buf = as_buffer(x, "x")
     desc = Descriptor(KINDS["allreduce"], buf.dtype.code, REDUCTION_CODES[op], 0, x.size)
-    request: Request[Any] = Request(f"allreduce #{seq}", RUNNER)
-    return LaneOp((b"", seq), request.label, desc, buf, op, lambda: buf.original, request, None)
+    made = LaneOp((b"", seq), f"allreduce #{seq}", desc, buf, op, lambda: buf.original, timeout)
+    made.request = Request(made.label, RUNNER)  # (what Lane.post will be given)
+    return made
+
+
+def post(lane: Lane, op: LaneOp) -> None:
+    lane.post(op, op.request)
+
+
+class Adopted:
+    """``Lane.run``'s ``adopt``: hands over ``op`` (request and all), and counts the calls."""
+
+    def __init__(self, op: LaneOp) -> None:
+        self.op, self.calls = op, 0
+
+    def __call__(self) -> LaneOp:
+        self.calls += 1
+        return self.op
+
+
+def run_here(lane: Lane, op: LaneOp) -> tuple[Request[Any] | None, Adopted]:
+    """``Lane.run`` as the backend calls it for a blocking allreduce."""
+    adopt = Adopted(op)
+    return lane.run(op.seq, op.header, op.buf, op.op, op.timeout, adopt), adopt
 
 
 def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
@@ -106,7 +130,7 @@ def test_lanes_driven_in_any_order_end_with_every_rank_bitwise_equal(
             world.lanes[rank].note(seq, Descriptor(KINDS["broadcast"], 2, 0, 0, 5))
         else:
             ops[rank, seq] = lane_op(seq, data[seq][rank].copy(), kinds[seq])
-            world.lanes[rank].post(ops[rank, seq])
+            post(world.lanes[rank], ops[rank, seq])
         posted[rank] += 1
         world.lanes[rng.randrange(n)].progress()
     for lane in world.lanes:
@@ -125,11 +149,11 @@ def test_a_slot_is_reused_only_once_every_peer_is_through_it(kind: type[Mailbox]
     world = World(2, kind)
     ahead = [lane_op(s, np.full(4, s, np.float64)) for s in range(2 * SLOTS)]
     for op in ahead:
-        world.lanes[0].post(op)
+        post(world.lanes[0], op)
     assert world.lanes[0]._next == SLOTS  # published: the first SLOTS; the rest wait
     behind = [lane_op(s, np.full(4, 1000.0 * s, np.float64)) for s in range(2 * SLOTS)]
     for op in behind:
-        world.lanes[1].post(op)
+        post(world.lanes[1], op)
         world.lanes[0].progress()
     world.lanes[1].progress()
     for s in range(2 * SLOTS):
@@ -144,8 +168,8 @@ def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine(
     engine too, and the lane goes on with operation 1 as if nothing happened."""
     world = World(3, kind)
     first = [lane_op(0, np.ones(4, np.float32)) for _ in range(2)]
-    world.lanes[0].post(first[0])
-    world.lanes[1].post(first[1])
+    post(world.lanes[0], first[0])
+    post(world.lanes[1], first[1])
     world.lanes[2].note(0, first[0].desc)
     for lane in world.lanes:
         lane.progress()
@@ -153,7 +177,7 @@ def test_a_peer_that_runs_it_elsewhere_makes_every_rank_hand_it_to_the_engine(
     assert world.converted[0][0] is first[0] and not first[0].request.done()
     second = [lane_op(1, np.full(4, r, np.float32)) for r in range(3)]
     for r, op in enumerate(second):
-        world.lanes[r].post(op)
+        post(world.lanes[r], op)
     for lane in world.lanes:
         lane.progress()
     for op in second:
@@ -170,8 +194,8 @@ def test_a_peer_that_disagrees_makes_every_rank_hand_it_to_the_engine(
     other = {"count": (np.ones(8, np.float32), "sum"), "dtype": (np.ones(4, np.int32), "sum"),
              "reduction": (np.ones(4, np.float32), "max")}[theirs]  # fmt: skip
     mine, peers = lane_op(0, np.ones(4, np.float32)), lane_op(0, other[0], other[1])
-    world.lanes[0].post(mine)
-    world.lanes[1].post(peers)
+    post(world.lanes[0], mine)
+    post(world.lanes[1], peers)
     world.lanes[0].progress()
     assert world.converted == [[mine], [peers]]
     assert mine.buf.flat.tolist() == [1.0] * 4  # untouched
@@ -186,11 +210,96 @@ def test_a_header_a_peer_scribbled_on_is_read_as_a_disagreement(kind: type[Mailb
     op = lane_op(0, np.ones(4, np.float32))
     wild = Descriptor(KINDS["allreduce"], op.desc.dtype, op.desc.reduce, 0, 1 << 40)
     kind(1, regions[1], {0: regions[0]}).publish(0, header(HERE, wild), None)  # no data
-    lane.post(op)
+    post(lane, op)
     assert converted == [op]
 
 
 # ---- real processes -------------------------------------------------------------------------
+
+
+def test_run_folds_on_the_calling_thread_with_no_request(
+    kind: type[Mailbox], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking allreduce on an idle lane: whether the peer published before or publishes
+    while it spins (from another thread), ``run`` folds in rank order on the caller's thread
+    and returns None, without adopting it (no request made); the next one can run so too."""
+    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 30.0)  # (a slow machine: no give-up)
+    world = World(2, kind)
+    peer = [lane_op(s, np.full(4, 10.0 * (s + 1), np.float32)) for s in range(2)]
+    post(world.lanes[1], peer[0])  # before
+    mine = [lane_op(s, np.full(4, s + 1.0, np.float32)) for s in range(2)]
+    done, adopt = run_here(world.lanes[0], mine[0])
+    assert done is None and adopt.calls == 0
+    assert mine[0].buf.original.tolist() == [11.0] * 4
+    later = threading.Timer(0.05, post, (world.lanes[1], peer[1]))  # while rank 0 spins
+    later.start()
+    done, adopt = run_here(world.lanes[0], mine[1])
+    later.join()
+    assert done is None and adopt.calls == 0
+    assert mine[1].buf.original.tolist() == [22.0] * 4
+    world.lanes[1].progress()
+    assert [p.request.result(timeout=0).tolist() for p in peer] == [[11.0] * 4, [22.0] * 4]
+    assert world.lanes[0].ran == 2 and world.lanes[0].completed == 2
+    assert not any(lane.busy for lane in world.lanes)
+
+
+def test_run_behind_other_operations_posts_it_in_order(kind: type[Mailbox]) -> None:
+    """Where the lane has an operation pending, ``run`` publishes nothing itself: it posts
+    behind it, and both complete in order once the peer's come."""
+    world = World(2, kind)
+    first = lane_op(0, np.full(3, 1.0, np.float64))
+    post(world.lanes[0], first)
+    second = lane_op(1, np.full(3, 2.0, np.float64))
+    request, adopt = run_here(world.lanes[0], second)
+    assert adopt.calls == 1 and request is second.request and not request.done()
+    for s, value in enumerate((5.0, 7.0)):
+        post(world.lanes[1], lane_op(s, np.full(3, value, np.float64)))
+    world.lanes[0].progress()
+    assert first.request.result(timeout=0).tolist() == [6.0] * 3
+    assert request.result(timeout=0).tolist() == [9.0] * 3
+    assert world.lanes[0].ran == 0
+
+
+def test_run_hands_an_operation_a_peer_describes_otherwise_to_the_engine(
+    kind: type[Mailbox],
+) -> None:
+    world = World(2, kind)
+    post(world.lanes[1], lane_op(0, np.ones(8, np.int32)))
+    mine = lane_op(0, np.ones(8, np.float32))
+    request, adopt = run_here(world.lanes[0], mine)
+    assert adopt.calls == 1 and request is mine.request
+    assert world.converted[0] == [mine] and world.lanes[0].ran == 0
+
+
+def test_run_adopts_what_the_peers_do_not_publish_within_the_spin(kind: type[Mailbox]) -> None:
+    """The peer is late: after the spin the operation is an ordinary pending one (the
+    progress thread watches it), its deadline counted from the post, and completes later."""
+    world = World(2, kind)
+    mine = lane_op(0, np.full(2, 1.0, np.float32), timeout=0.05)
+    posted = time.monotonic()
+    request, adopt = run_here(world.lanes[0], mine)
+    assert adopt.calls == 1 and request is mine.request and not request.done()
+    assert time.monotonic() - posted >= 0.002 - 1e-4  # it spun (at least _WAITER_SPIN)
+    assert world.lanes[0].busy and request.mover is world.lanes[0]
+    assert mine.deadline <= posted + 0.05 + 0.01  # from the post (LaneOp's own clock)
+    post(world.lanes[1], lane_op(0, np.full(2, 3.0, np.float32)))
+    world.lanes[0].progress()
+    assert request.result(timeout=0).tolist() == [4.0] * 2
+
+
+def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
+    kind: type[Mailbox], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 0.5)  # (the C wait spins it out)
+    world = World(2, kind)
+    mine = lane_op(0, np.ones(2, np.float32))
+    closing = threading.Timer(0.05, world.lanes[0].close, (lambda op: ar.BrokenError(op.label),))
+    closing.start()
+    request, adopt = run_here(world.lanes[0], mine)
+    closing.join()
+    assert request is mine.request and adopt.calls == 1
+    assert isinstance(request.exception(timeout=0), ar.BrokenError)
+    assert str(request.exception(timeout=0)) == mine.label
 
 
 def _lane_of(comm: ar.Communicator) -> Lane | None:
@@ -227,7 +336,7 @@ def body_every_dtype_and_reduction(comm: ar.Communicator) -> dict[str, Any]:
     done["large"] = comm.allreduce(np.ones(1 << 15, np.float32)).tobytes()  # 128 KiB: engine
     done["named"] = comm.allreduce(np.ones(4, np.float32), name="n").tobytes()  # engine
     return {"done": done, "lane": lane.completed, "converted": lane.converted,
-            "mailbox": type(lane.mailbox).__name__}  # fmt: skip
+            "ran": lane.ran, "mailbox": type(lane.mailbox).__name__}  # fmt: skip
 
 
 @pytest.mark.parametrize("native", [pytest.param("1", marks=NATIVE), "0"], ids=["native", "python"])
@@ -239,6 +348,8 @@ def test_unnamed_small_allreduces_take_the_lane_and_agree_bitwise(n: int, native
     for rank, got in results.items():
         assert got["done"] == first, f"rank {rank} differs"
         assert got["lane"] == 27 and got["converted"] == 0, got  # 3 sizes x 9 cases, no more
+        # each a blocking call, run on the caller's thread unless a peer came after its spin
+        assert 0 < got["ran"] <= 27, got
         assert got["mailbox"] == ("NativeMailbox" if native == "1" else "Mailbox"), got
     # the values: rank-order folds of what every rank contributed
     for key, raw in first.items():
@@ -296,6 +407,67 @@ def body_mixed_with_the_engine(comm: ar.Communicator) -> list[float]:
 def test_the_lane_interleaves_with_the_engine_and_with_named_operations() -> None:
     results = run_ranks(3, body_mixed_with_the_engine, timeout=90)
     assert results[0] == results[1] == results[2]
+
+
+def body_blocking_beside_large_ones(comm: ar.Communicator) -> dict[str, int]:
+    """The training thread makes 300 blocking small allreduces (each ``run`` on its own
+    thread where the lane is idle) while two other threads post named 16 MiB and small
+    allreduces in an order of their own per rank, then wait for them; every value is right."""
+    r, n = comm.rank, comm.world_size
+    failures: list[BaseException] = []
+
+    def side(prefix: str, floats: int, count: int) -> None:
+        try:
+            names = [f"{prefix}{i}" for i in range(count)]
+            random.Random(r).shuffle(names)
+            posted = [comm.iallreduce(np.full(floats, 1.0, np.float32), name=name, timeout=60)
+                      for name in names]  # fmt: skip  (posted in any order, then waited)
+            assert all(float(q.wait()[-1]) == n for q in posted)
+        except BaseException as exc:  # reported below: a thread's assert is not the test's
+            failures.append(exc)
+
+    threads = [threading.Thread(target=side, args=("big", BULK_FLOATS, 4)),
+               threading.Thread(target=side, args=("small", 16, 50))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for i in range(300):
+        x = np.full(64, float(r + i), np.float32)
+        assert comm.allreduce(x, timeout=30)[0] == n * i + sum(range(n)), i
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    lane = _lane_of(comm)
+    assert lane is not None
+    return {"completed": lane.completed, "ran": lane.ran, "converted": lane.converted}
+
+
+def test_blocking_lane_allreduces_beside_large_ones_from_other_threads() -> None:
+    results = run_ranks(2, body_blocking_beside_large_ones, timeout=120)
+    for got in results.values():
+        assert got["completed"] == 300 and got["converted"] == 0, got
+        assert got["ran"] > 0, got  # (the rest found the peer late: adopted, still right)
+
+
+def body_closed_during_run(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank 0 blocks in a lane allreduce that rank 1 never posts; another thread of rank 0
+    closes the communicator: the call raises ClosedError at once, not at some timeout."""
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(2.0)  # closing later, so rank 0's own close is what ends its call
+        return {}
+    closing = threading.Timer(0.3, comm.close)
+    closing.start()
+    start = time.monotonic()
+    with pytest.raises(ar.ClosedError) as caught:
+        comm.allreduce(np.ones(4, np.float32))
+    closing.join()
+    return {"took": time.monotonic() - start, "message": str(caught.value)}
+
+
+def test_a_close_from_another_thread_ends_a_blocking_lane_allreduce() -> None:
+    got = run_ranks(2, body_closed_during_run)[0]
+    assert 0.25 < got["took"] < 5, got
+    assert "allreduce #" in got["message"], got
 
 
 def body_unnamed_ahead_of_a_named_one(comm: ar.Communicator) -> int:

@@ -3,7 +3,8 @@
 Theory of operation. As in mpi4py, an ``i`` prefix marks the call that starts an operation and
 returns its ``Request`` at once; the call without it is that one plus a wait, with the same
 arguments, so it raises what the operation raised (or TimeoutError for ``timeout``). Only the
-non-blocking calls check arguments and post; these only wait. ``Communicator`` mixes them in.
+non-blocking calls check arguments and post; these only wait. ``Communicator`` mixes them in,
+and has its own ``allreduce`` (the same, but faster on the same-host lane: comm.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ class BlockingCalls:
         def isend(self, *args: Any, **kwargs: Any) -> Request[None]: ...
         def irecv(self, *args: Any, **kwargs: Any) -> Request[Any]: ...
         def ibarrier(self, *args: Any, **kwargs: Any) -> Request[None]: ...
-
-    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
-        """``iallreduce(...).wait()``."""
-        return self.iallreduce(x, op, **kwargs).wait()
 
     def broadcast(self, x: Any, root: int = 0, **kwargs: Any) -> Any:
         """``ibroadcast(...).wait()``."""

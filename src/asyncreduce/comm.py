@@ -39,8 +39,8 @@ from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
 from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
-from .keys import Keys, p2p_name
-from .lane import lane_wanted
+from .keys import Key, Keys, p2p_name
+from .lane import Lane, lane_wanted
 from .mailbox import native_wanted, open_mailbox, region_bytes
 from .ordered.engine import OrderedEngine
 from .planes import DataPlane
@@ -56,6 +56,7 @@ if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
+_UNNAMED: Key = (b"", 0)  # (what Lane.takes looks at: no name)
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
@@ -94,6 +95,7 @@ class Communicator(BlockingCalls):
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
+        self._lane_backend: NativeBackend | None = None  # its backend, once the lane opened
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -103,10 +105,27 @@ class Communicator(BlockingCalls):
         timeout: float | None = None, inplace: bool = True,
     ) -> Request[Any]:  # fmt: skip
         """Start reducing ``x`` over all ranks with ``op`` (sum, avg, max, min, prod)."""
+        return self._submit(self._allreduce_plan(x, op, inplace), name, priority, timeout)
+
+    def allreduce(
+        self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
+        timeout: float | None = None, inplace: bool = True,
+    ) -> Any:  # fmt: skip
+        """``iallreduce(...).wait()``. Where the same-host lane is open, an unnamed one runs
+        on this thread while the lane has nothing else to do (``Lane.run``): no request, no
+        hand-off to another thread; it is the call most small operations make."""
+        here = self._lane_backend
+        plan = self._allreduce_plan(x, op, inplace)
+        if here is None or name is not None or not Lane.takes("allreduce", plan.buf, _UNNAMED):
+            return self._submit(plan, name, priority, timeout).wait()
+        key, label = self._numbered(plan, None, priority, timeout)
+        made = here.run(plan, key, label, timeout, self._runner)
+        return plan.result() if made is None else made.wait()
+
+    def _allreduce_plan(self, x: Any, op: str, inplace: bool) -> Plan:
         buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
         self._check_reduction(op, buf)
-        plan = Plan("allreduce", buf, lambda: buf.original, op)
-        return self._submit(plan, name, priority, timeout)
+        return Plan("allreduce", buf, lambda: buf.original, op)
 
     def ibroadcast(
         self, x: Any, root: int = 0, *, name: str | None = None, priority: int = 0,
@@ -319,6 +338,7 @@ class Communicator(BlockingCalls):
             self.abort(f"rank {self.rank}: could not open the same-host lane: {exc}")
             raise BrokenError(f"init on rank {self.rank}: the same-host lane: {exc}") from exc
         backend.open_lane(open_mailbox(self.rank, window.mine, window.peers, bool(native)))
+        self._lane_backend = backend
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -452,6 +472,16 @@ class Communicator(BlockingCalls):
     ) -> Request[Any]:  # fmt: skip
         """Number and start one operation. ``key_name``: the key's name when it is not the
         user's ``name`` (point-to-point)."""
+        key, label = self._numbered(plan, name, priority, timeout, key_name)
+        request: Request[Any] = Request(label, self._runner)
+        self._backend.submit(plan, key, label, priority, timeout, request)
+        return request
+
+    def _numbered(
+        self, plan: Plan, name: str | None, priority: int, timeout: float | None,
+        key_name: str | None = None,
+    ) -> tuple[Key, str]:  # fmt: skip
+        """Check what every post is checked for, then the operation's key and label."""
         kind = plan.kind
         if not isinstance(priority, int):
             raise UsageError(f"priority must be an int, got {priority!r}")
@@ -461,15 +491,11 @@ class Communicator(BlockingCalls):
             )
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
-        if self._forked():
+        if self._generation != forks.generation():
             self._check_process(kind)
         refused = self._backend.refusal(plan, priority)
         if refused is not None:
             raise UsageError(refused)
         shown = name or key_name
         key = self._keys.next(name if key_name is None else key_name)
-        label = f"{kind} {shown!r}#{key[1]}" if shown else f"{kind} #{key[1]}"
-        request: Request[Any] = Request(label, self._runner)
-        self._backend.submit(plan, key, label, priority, timeout, request)
-        return request
-
+        return key, f"{kind} {shown!r}#{key[1]}" if shown else f"{kind} #{key[1]}"

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .algorithms import Array
 from .buffers import Buffer
 from .envvars import env_number
 from .errors import ClosedError
@@ -78,13 +79,15 @@ class LaneOp:
     __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
                  "timeout", "deadline")  # fmt: skip
 
+    request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run`` needs one
+
     def __init__(
         self, key: Key, label: str, desc: Descriptor, buf: Buffer, op: str,
-        result: Callable[[], Any], request: Request[Any], timeout: float | None,
+        result: Callable[[], Any], timeout: float | None,
     ) -> None:  # fmt: skip
         self.key, self.seq, self.label, self.desc = key, key[1], label, desc
         self.header = header(HERE, desc)
-        self.buf, self.op, self.result, self.request = buf, op, result, request
+        self.buf, self.op, self.result = buf, op, result
         self.timeout = timeout
         self.deadline = 0.0 if timeout is None else time.monotonic() + timeout
 
@@ -92,6 +95,8 @@ class LaneOp:
 class Lane:
     """Rank ``rank``'s side of the lane (see the module docstring). ``convert`` hands an
     operation to the engine; every method but ``watch`` may be called from any thread."""
+
+    _closed_with: Callable[[LaneOp], BaseException]  # what ``close`` failed operations with
 
     def __init__(
         self, mailbox: Mailbox, rank: int, world_size: int,
@@ -110,6 +115,7 @@ class Lane:
         self._closed = False
         self.completed = 0  # operations this lane completed itself (diagnostics, tests)
         self.converted = 0  # and those it handed to the engine
+        self.ran = 0  # of the completed, those ``run`` did on the caller's thread
         self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
         self.moved_at = 0.0  # when the lane last published or completed something
 
@@ -124,15 +130,61 @@ class Lane:
 
     # ---- any thread ----------------------------------------------------------------------
 
-    def post(self, op: LaneOp) -> None:
-        """Start ``op``: publish its contribution (now, if its slot is free) and complete it
-        if every peer's is there already."""
+    def post(self, op: LaneOp, request: Request[Any]) -> None:
+        """Start ``op`` with ``request``: publish its contribution (now, if its slot is free)
+        and complete it if every peer's is there already."""
+        op.request = request
         with self._lock:
-            if self._closed:
-                raise ClosedError(f"{op.label}: the communicator is closed")
-            self._pending[op.seq] = op
-            self._unpublished[op.seq] = (op.header, op)
-            self._advance()
+            self._post(op)
+
+    def run(
+        self, seq: int, head: Header, buf: Buffer, op: str, timeout: float | None,
+        adopt: Callable[[], LaneOp],
+    ) -> Request[Any] | None:  # fmt: skip
+        """Run operation ``seq`` (``head``: its header) on the calling thread, which waits for
+        it (a blocking allreduce), with no request, if nothing else is in the lane: publish,
+        wait for the peers (spinning for up to ``_WAITER_SPIN``) and fold; None once done.
+        Anything else makes it an ordinary operation, ``adopt()`` (with its request), whose
+        request is returned for the caller to wait on: others in the lane (it is posted
+        behind them), a peer that runs it elsewhere or disagrees (the engine decides), a peer
+        not there within the spin (the progress thread watches it from then on: deadlines
+        and failures), the lane closed."""
+        mailbox = self.mailbox
+        with self._lock:
+            if (self._closed or self._pending or self._unpublished or seq != self._next
+                    or not mailbox.free(seq)):  # fmt: skip
+                made = adopt()
+                self._post(made)
+                return made.request
+            self._publish(seq, head, buf.flat)
+        spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
+        end = 0.0  # (set after the first look: most operations need no clock)
+        while True:
+            if not mailbox.wait(seq, spin):
+                os.sched_yield()
+            with self._lock:
+                if self._closed:
+                    made = adopt()
+                    made.request.set_exception(self._closed_with(made))
+                    return made.request
+                state = mailbox.collect(seq, head, buf.flat, buf.dtype, op)
+                if state == AGREED:
+                    self._done_with(seq)
+                    self.completed += 1
+                    self.ran += 1
+                    self.moved_at = time.monotonic()
+                    return None
+                now = time.monotonic()
+                end = end or now + spin
+                if state != WAITING or now >= end:
+                    made = adopt()
+                    made.request.mover = self
+                    self._pending[seq] = made
+                    self._advance()  # (completes it if a peer runs it elsewhere or disagrees)
+                    break
+                spin = end - now
+        self._wake()  # the progress thread watches it now: it must not doze
+        return made.request
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
@@ -220,11 +272,12 @@ class Lane:
                     self._fail_everywhere(session, op, silent_for(op, self.rank, quiet, wait))
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
-        """Fail what is pending with ``error(op)``; later posts raise ClosedError."""
+        """Fail what is pending with ``error(op)`` (and what ``run`` moves); later posts raise
+        ClosedError."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed, self._closed_with = True, error
             for op in self._ordered():
                 self._fail(op, error(op))
             self._unpublished.clear()  # nobody will read them: the peers hear of the close
@@ -232,12 +285,21 @@ class Lane:
 
     # ---- under the lock --------------------------------------------------------------------
 
+    def _post(self, op: LaneOp) -> None:
+        if self._closed:
+            raise ClosedError(f"{op.label}: the communicator is closed")
+        op.request.mover = self
+        self._pending[op.seq] = op
+        self._unpublished[op.seq] = (op.header, op)
+        self._advance()
+
     def _advance(self) -> None:
         if self._closed:
             return  # (a waiter may still drive: its request failed already)
         unpublished = self._unpublished
         while self._next in unpublished and self.mailbox.free(self._next):
-            self._publish(self._next, *unpublished.pop(self._next))
+            head, posted = unpublished.pop(self._next)
+            self._publish(self._next, head, None if posted is None else posted.buf.flat)
         pending = self._pending
         if len(pending) == 1:  # the usual case: no list, no sort
             op = next(iter(pending.values()))
@@ -257,8 +319,8 @@ class Lane:
         seq = next(iter(pending)) if len(pending) == 1 else min(pending)
         return seq if seq < self._next else -1
 
-    def _publish(self, seq: int, head: Header, posted: LaneOp | None) -> None:
-        self.mailbox.publish(seq, head, None if posted is None else posted.buf.flat)
+    def _publish(self, seq: int, head: Header, data: Array | None) -> None:
+        self.mailbox.publish(seq, head, data)
         self._next = seq + 1
         self.moved_at = time.monotonic()
 

@@ -13,6 +13,7 @@ engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..algorithms import Collective, Translated, build
@@ -20,11 +21,11 @@ from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
 from ..lane import Lane, LaneOp
-from ..mailbox import Mailbox
+from ..mailbox import HERE, Header, Mailbox, header
 from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
 from ..protocol.operation import Operation
-from ..request import Request
+from ..request import CallbackRunner, Request
 from ..transport.frame import Descriptor
 from .base import EngineBackend, log_post
 
@@ -64,6 +65,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
+        self._described: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # (run)
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -72,7 +74,7 @@ class NativeBackend(EngineBackend):
         lane = self.lane
         if lane is not None and not key[0]:  # unnamed: every one takes a slot of the lane
             if Lane.takes(plan.kind, plan.buf, key):
-                self._to_lane(lane, plan, key, label, timeout, request)
+                lane.post(self._lane_op(plan, key, label, timeout), request)
                 return
             algo, desc = built(plan, self.rank, self.world_size, self.planes)
             lane.note(key[1], desc)
@@ -84,18 +86,46 @@ class NativeBackend(EngineBackend):
         log_post(self.rank, label, desc)
         engine.submit(Operation(key, label, desc, algo, request, plan.result, priority, timeout))
 
-    def _to_lane(
-        self, lane: Lane, plan: Plan, key: Key, label: str, timeout: float | None,
-        request: Request[Any],
-    ) -> None:  # fmt: skip
+    def run(
+        self, plan: Plan, key: Key, label: str, timeout: float | None, runner: CallbackRunner
+    ) -> Request[Any] | None:
+        """``submit`` for an operation of the open lane (``Lane.takes``) whose caller waits
+        for it at once: on the caller's thread where it can (``Lane.run``; None: done, its
+        result is in place), else with a request (``runner`` runs its callbacks), returned."""
+        lane = self.lane
+        assert lane is not None
+        refused = self.engine.refusal(label)
+        if refused is not None:
+            raise refused
+        buf, op = plan.buf, plan.op or "sum"
+        same = (buf.dtype.code, op, buf.flat.size)  # (a loop posts the same few shapes)
+        found = self._described.get(same)
+        if found is None:
+            if len(self._described) >= 256:
+                self._described.clear()
+            desc = plan.descriptor(0, buf.dtype.code)
+            found = self._described[same] = (desc, header(HERE, desc))
+        desc, head = found
+        log_post(self.rank, label, desc)
+
+        posted = time.monotonic() if timeout is not None else 0.0
+
+        def adopt() -> LaneOp:
+            made = LaneOp(key, label, desc, buf, op, plan.result, timeout)
+            made.request = Request(label, runner)
+            if timeout is not None:
+                made.deadline = posted + timeout  # (from the post, not from now)
+            return made
+
+        return lane.run(key[1], head, buf, op, timeout, adopt)
+
+    def _lane_op(self, plan: Plan, key: Key, label: str, timeout: float | None) -> LaneOp:
         refused = self.engine.refusal(label)
         if refused is not None:
             raise refused
         desc = plan.descriptor(0, plan.buf.dtype.code)
         log_post(self.rank, label, desc)
-        request.mover = lane
-        lane.post(LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, request,
-                         timeout))  # fmt: skip
+        return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
     def open_lane(self, mailbox: Mailbox) -> None:
         """Send the world's unnamed small allreduces through ``mailbox`` from now on (every

@@ -290,12 +290,16 @@ def test_run_adopts_what_the_peers_do_not_publish_within_the_spin(kind: type[Mai
 def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
     kind: type[Mailbox], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 0.5)  # (the C wait spins it out)
+    """Another thread closes the lane while ``run`` spins: it ends at once, failed with the
+    close's own error (the spin is long: only the close can end it in time)."""
+    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 30.0)  # (a close must end it)
     world = World(2, kind)
     mine = lane_op(0, np.ones(2, np.float32))
     closing = threading.Timer(0.05, world.lanes[0].close, (lambda op: ar.BrokenError(op.label),))
     closing.start()
+    start = time.monotonic()
     request, adopt = run_here(world.lanes[0], mine)
+    assert time.monotonic() - start < 10
     closing.join()
     assert request is mine.request and adopt.calls == 1
     assert isinstance(request.exception(timeout=0), ar.BrokenError)

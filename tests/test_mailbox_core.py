@@ -179,6 +179,19 @@ def test_a_released_mailbox_refuses_every_call_but_a_wait() -> None:
 
 
 @BUILT
+def test_a_release_ends_a_wait_under_way() -> None:
+    """The lane's close, from another thread, while a waiter spins: it returns True at its
+    next look, not at the end of its time."""
+    a, _ = mailboxes(NativeMailbox, regions(2))
+    closing = threading.Timer(0.05, a.release)
+    start = time.monotonic()
+    closing.start()
+    assert a.wait(0, 30.0) is True
+    assert time.monotonic() - start < 5
+    closing.join()
+
+
+@BUILT
 def test_c_folds_every_type_and_reduction_it_claims_itself() -> None:
     """(Else the comparison with numpy above would compare numpy with itself.)"""
     for dtype in FOLDED:

@@ -121,6 +121,7 @@ cdef class Core:
     starts; ``fields``: words per header; ``data``: the byte offset of slot 0's data)."""
 
     cdef object _regions
+    cdef int64_t _released  # 1 once released: a ``wait`` under way reads it between looks
     cdef int64_t **_words
     cdef uint8_t **_data
     cdef uint8_t **_parts
@@ -156,8 +157,9 @@ cdef class Core:
     def release(self):
         """Let go of the regions (their memory goes once nothing else holds it): every later
         call raises ValueError but ``wait``, which returns True, and a ``wait`` under way
-        keeps them until it returns."""
+        keeps them until it returns, which it does at its next look."""
         self._regions = None
+        ar_store_release(&self._released, 1)
 
     cdef inline int _check(self, int64_t seq) except -1:
         if self._regions is None:
@@ -242,8 +244,9 @@ cdef class Core:
 
     def wait(self, int64_t seq, double seconds):
         """Until every peer has stamped ``seq`` (True) or ``seconds`` have passed (False),
-        yielding the core between looks, without the GIL; True at once once released (the
-        lane closed: its waiter looks again and finds its request failed)."""
+        yielding the core between looks, without the GIL; True once released, before it or
+        while it waits (the lane closed: its waiter looks again and finds its request
+        failed)."""
         cdef Py_ssize_t base = self._base(seq)
         cdef int64_t stamp = seq + 1
         cdef bint there
@@ -255,10 +258,10 @@ cdef class Core:
         with nogil:
             end = _now() + seconds
             there = self._stamped(base, stamp)
-            while not there and _now() < end:
+            while not there and not ar_load_acquire(&self._released) and _now() < end:
                 sched_yield()
                 there = self._stamped(base, stamp)
-        return there
+        return there or self._released != 0
 
     cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:
         """``out`` = every rank's contribution to ``seq`` folded in rank order, then divided

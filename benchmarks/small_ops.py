@@ -7,10 +7,11 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
   connection, nothing else: busy-polling non-blocking reads, and blocking reads (each one a
   wake-up). No
   engine written in Python on TCP can be faster than the first.
-* **lane alone**: the same-host lane's whole call (``iallreduce`` and ``wait``), in one thread:
-  two communicators over mailboxes in plain memory take turns, so nothing waits for another
-  core: what our Python costs per rank per operation on that path; with the C mailbox (where
-  it was built) and with the Python one.
+* **lane alone**: the same-host lane's whole calls, in one thread: two communicators over
+  mailboxes in plain memory take turns (one posts with ``iallreduce`` and waits, the other
+  makes the blocking ``allreduce``, which runs on its thread: ``Lane.run``), so nothing waits
+  for another core: what our Python costs per rank per operation on that path; with the C
+  mailbox (where it was built) and with the Python one.
 * **protocol**: our protocol alone, in one thread: two ``Session`` objects post the allreduce,
   hand each other their frames (packed and parsed headers) and complete it. No socket, no
   thread: the CPU the protocol itself costs per rank per operation (the operations are built
@@ -190,9 +191,10 @@ class _NoEngine:
 
 
 def lane_us(nbytes: int, world: int = 2, native: bool = True) -> float:
-    """CPU microseconds per rank per allreduce through the same-host lane, the whole call
-    (``iallreduce`` and ``wait``), in one thread: ``world`` communicators over mailboxes in
-    plain memory take turns (every rank but 0 posts, rank 0 completes, the others wait), so
+    """CPU microseconds per rank per allreduce through the same-host lane, the whole calls,
+    in one thread: ``world`` communicators over mailboxes in plain memory take turns (every
+    rank but 0 posts with ``iallreduce``, rank 0's blocking ``allreduce`` completes on its
+    thread, which ``Lane.run`` does where the peers are there, the others wait), so
     no core waits for another and nothing but our Python is timed. ``native``: with the C
     mailbox where it was built (else, and with False, the Python one)."""
     from asyncreduce.backends.native import NativeBackend

@@ -40,7 +40,7 @@ from .cma import CrossMemory
 from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key, Keys, p2p_name
-from .lane import Lane, lane_wanted
+from .lane import lane_wanted
 from .mailbox import native_wanted, open_mailbox, region_bytes
 from .ordered.engine import OrderedEngine
 from .planes import DataPlane
@@ -56,7 +56,6 @@ if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=
 _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
-_UNNAMED: Key = (b"", 0)  # (what Lane.takes looks at: no name)
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
@@ -95,7 +94,6 @@ class Communicator(BlockingCalls):
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
-        self._lane_backend: NativeBackend | None = None  # its backend, once the lane opened
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -114,12 +112,12 @@ class Communicator(BlockingCalls):
         """``iallreduce(...).wait()``. Where the same-host lane is open, an unnamed one runs
         on this thread while the lane has nothing else to do (``Lane.run``): no request, no
         hand-off to another thread; it is the call most small operations make."""
-        here = self._lane_backend
+        here = self._backend
         plan = self._allreduce_plan(x, op, inplace)
-        if here is None or name is not None or not Lane.takes("allreduce", plan.buf, _UNNAMED):
+        if name is not None or not isinstance(here, NativeBackend) or here.lane is None:
             return self._submit(plan, name, priority, timeout).wait()
         key, label = self._numbered(plan, None, priority, timeout)
-        made = here.run(plan, key, label, timeout, self._runner)
+        made = here.run(plan, key, label, priority, timeout, self._runner)
         return plan.result() if made is None else made.wait()
 
     def _allreduce_plan(self, x: Any, op: str, inplace: bool) -> Plan:
@@ -338,7 +336,6 @@ class Communicator(BlockingCalls):
             self.abort(f"rank {self.rank}: could not open the same-host lane: {exc}")
             raise BrokenError(f"init on rank {self.rank}: the same-host lane: {exc}") from exc
         backend.open_lane(open_mailbox(self.rank, window.mine, window.peers, bool(native)))
-        self._lane_backend = backend
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -491,7 +488,7 @@ class Communicator(BlockingCalls):
             )
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
-        if self._generation != forks.generation():
+        if self._forked():
             self._check_process(kind)
         refused = self._backend.refusal(plan, priority)
         if refused is not None:

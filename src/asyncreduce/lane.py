@@ -83,13 +83,14 @@ class LaneOp:
 
     def __init__(
         self, key: Key, label: str, desc: Descriptor, buf: Buffer, op: str,
-        result: Callable[[], Any], timeout: float | None,
+        result: Callable[[], Any], timeout: float | None, posted: float = 0.0,
     ) -> None:  # fmt: skip
+        """``posted``: when it was posted (monotonic), where that was before now."""
         self.key, self.seq, self.label, self.desc = key, key[1], label, desc
         self.header = header(HERE, desc)
         self.buf, self.op, self.result = buf, op, result
         self.timeout = timeout
-        self.deadline = 0.0 if timeout is None else time.monotonic() + timeout
+        self.deadline = 0.0 if timeout is None else (posted or time.monotonic()) + timeout
 
 
 class Lane:

@@ -65,7 +65,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._described: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # (run)
+        self._known: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # _described
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -74,7 +74,8 @@ class NativeBackend(EngineBackend):
         lane = self.lane
         if lane is not None and not key[0]:  # unnamed: every one takes a slot of the lane
             if Lane.takes(plan.kind, plan.buf, key):
-                lane.post(self._lane_op(plan, key, label, timeout), request)
+                desc, _ = self._described(plan, label)
+                lane.post(self._lane_op(plan, key, label, timeout, desc), request)
                 return
             algo, desc = built(plan, self.rank, self.world_size, self.planes)
             lane.note(key[1], desc)
@@ -87,45 +88,50 @@ class NativeBackend(EngineBackend):
         engine.submit(Operation(key, label, desc, algo, request, plan.result, priority, timeout))
 
     def run(
-        self, plan: Plan, key: Key, label: str, timeout: float | None, runner: CallbackRunner
-    ) -> Request[Any] | None:
-        """``submit`` for an operation of the open lane (``Lane.takes``) whose caller waits
-        for it at once: on the caller's thread where it can (``Lane.run``; None: done, its
-        result is in place), else with a request (``runner`` runs its callbacks), returned."""
+        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
+        runner: CallbackRunner,
+    ) -> Request[Any] | None:  # fmt: skip
+        """``submit`` for a caller that waits for the operation at once: one the lane takes
+        runs on the caller's thread where it can (``Lane.run``; None: done, its result is in
+        place); any other gets a request (``runner`` runs its callbacks), returned."""
         lane = self.lane
-        assert lane is not None
-        refused = self.engine.refusal(label)
-        if refused is not None:
-            raise refused
-        buf, op = plan.buf, plan.op or "sum"
-        same = (buf.dtype.code, op, buf.flat.size)  # (a loop posts the same few shapes)
-        found = self._described.get(same)
-        if found is None:
-            if len(self._described) >= 256:
-                self._described.clear()
-            desc = plan.descriptor(0, buf.dtype.code)
-            found = self._described[same] = (desc, header(HERE, desc))
-        desc, head = found
-        log_post(self.rank, label, desc)
-
+        if lane is None or not Lane.takes(plan.kind, plan.buf, key):
+            request: Request[Any] = Request(label, runner)
+            self.submit(plan, key, label, priority, timeout, request)
+            return request
+        desc, head = self._described(plan, label)
         posted = time.monotonic() if timeout is not None else 0.0
 
-        def adopt() -> LaneOp:
-            made = LaneOp(key, label, desc, buf, op, plan.result, timeout)
+        def adopt() -> LaneOp:  # (only where it cannot finish alone: most never need one)
+            made = self._lane_op(plan, key, label, timeout, desc, posted)
             made.request = Request(label, runner)
-            if timeout is not None:
-                made.deadline = posted + timeout  # (from the post, not from now)
             return made
 
-        return lane.run(key[1], head, buf, op, timeout, adopt)
+        return lane.run(key[1], head, plan.buf, plan.op or "sum", timeout, adopt)
 
-    def _lane_op(self, plan: Plan, key: Key, label: str, timeout: float | None) -> LaneOp:
+    def _lane_op(
+        self, plan: Plan, key: Key, label: str, timeout: float | None, desc: Descriptor,
+        posted: float = 0.0,
+    ) -> LaneOp:  # fmt: skip
+        return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout, posted)
+
+    def _described(self, plan: Plan, label: str) -> tuple[Descriptor, Header]:
+        """A lane operation's descriptor and slot header, refused first if the engine refuses
+        posts, and logged. Kept per dtype, reduction and count (a loop posts the same few):
+        building them costs more than a look."""
         refused = self.engine.refusal(label)
         if refused is not None:
             raise refused
-        desc = plan.descriptor(0, plan.buf.dtype.code)
-        log_post(self.rank, label, desc)
-        return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
+        buf = plan.buf
+        same = (buf.dtype.code, plan.op or "sum", buf.flat.size)
+        found = self._known.get(same)
+        if found is None:
+            if len(self._known) >= 256:
+                self._known.clear()
+            desc = plan.descriptor(0, buf.dtype.code)
+            found = self._known[same] = (desc, header(HERE, desc))
+        log_post(self.rank, label, found[0])
+        return found
 
     def open_lane(self, mailbox: Mailbox) -> None:
         """Send the world's unnamed small allreduces through ``mailbox`` from now on (every

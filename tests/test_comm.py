@@ -420,6 +420,26 @@ def test_close_fails_pending_requests_and_leaves_no_thread_or_socket() -> None:
     assert sockets_left == 0
 
 
+def body_broadcast_after_a_goodbye(comm: ar.Communicator) -> list[float]:
+    """Rank 0 takes its part in rank 2's broadcast and closes; rank 1 posts the broadcast
+    only after rank 0's goodbye (DDP's Join: the first to finish leaves first)."""
+    model = np.arange(4, dtype=np.float32) + 1 if comm.rank == 2 else np.zeros(4, np.float32)
+    if comm.rank == 1:
+        time.sleep(1.5)
+    comm.broadcast(model, root=2, timeout=20)
+    if comm.rank == 0:
+        comm.close()
+    elif comm.rank == 1:
+        with pytest.raises(ar.BrokenError, match="rank 0 has closed"):
+            comm.broadcast(np.zeros(4, np.float32), root=0, timeout=20)  # rank 0 never posted it
+    return model.tolist()
+
+
+def test_a_broadcast_posted_after_a_rank_closed_completes_on_what_it_sent() -> None:
+    results = run_ranks(3, body_broadcast_after_a_goodbye, timeout=60)
+    assert all(results[r] == [1.0, 2.0, 3.0, 4.0] for r in range(3)), results
+
+
 # ---- per-call timeout ---------------------------------------------------------------------------
 
 

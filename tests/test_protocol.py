@@ -147,6 +147,40 @@ def test_goodbye_fails_only_what_still_needs_the_closed_rank(
 
 
 @fast
+@given(n=st.integers(3, 9), seed=SEEDS, data=st.data())
+def test_a_post_after_a_goodbye_runs_on_what_the_closed_rank_sent_and_fails_if_it_needs_more(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    """DDP's Join: the first rank to finish closes while the last joiner's broadcast of the
+    final model is still to be posted on the others. What it sent first still counts."""
+    root, closer, late = data.draw(st.permutations(range(n)))[:3]
+    wire = Wire(n, seed)
+    model = np.arange(6, dtype=np.float32) + 1
+    buffers = {r: model.copy() if r == root else np.zeros(6, np.float32) for r in range(n)}
+    for rank in range(n):
+        if rank != late:
+            wire.post(rank, "broadcast", "model", buffers[rank], root=root)
+    wire.run()
+    wire.goodbye(closer, "finished")
+    wire.run()
+    wire.post(late, "broadcast", "model", buffers[late], root=root)
+    wire.run()
+    for rank in range(n):
+        if rank != closer:
+            assert outcome(wire.ranks[rank].requests["model"]) is None, rank
+            np.testing.assert_array_equal(buffers[rank], model)
+    for rank in range(n):  # a broadcast from the closed rank, which never posted it
+        if rank != closer:
+            wire.post(rank, "broadcast", "from-closed", np.zeros(6, np.float32), root=closer)
+    wire.run()
+    for rank in range(n):
+        if rank != closer:
+            error = outcome(wire.ranks[rank].requests["from-closed"])
+            assert isinstance(error, ar.BrokenError), (rank, error)
+            assert f"rank {closer} has closed" in str(error), str(error)
+
+
+@fast
 @given(n=RANKS, seed=SEEDS, data=st.data())
 def test_a_connection_that_ends_after_its_goodbye_is_not_a_loss(
     n: int, seed: int, data: st.DataObject

@@ -487,29 +487,29 @@ def test_init_process_group_under_torchrun(tmp_path: Path) -> None:
     assert len(re.findall(r"rank \d of 3 got 6", out.stdout)) == 3, out.stdout
 
 
-SUITE = " or ".join([
-    "test_all_reduce_sum_complex", "test_all_reduce_full_group_max", "test_broadcast_full_group",
-    "test_all_gather_coalesced_simple", "test_reduce_sum_twice", "test_gather_full_group",
-    "test_scatter_complex", "test_barrier_full_group", "test_send_recv_with_tag",
-    "test_destroy_group", "test_get_rank_size_group", "test_DistributedDataParallelCPU",
-    "test_static_graph_api_cpu",
-])
+SUITE = [
+    "test_all_reduce_sum_complex", "test_broadcast_full_group", "test_all_gather_coalesced_simple",
+    "test_reduce_sum_twice", "test_gather_full_group", "test_scatter_complex",
+    "test_barrier_full_group", "test_send_recv_with_tag", "test_DistributedDataParallelCPU",
+]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("n", [2, 3])
-def test_torch_suite_selection(n: int, tmp_path: Path) -> None:
-    """A representative part of PyTorch's distributed_test suite; every one must pass."""
+def test_torch_suite_selection(tmp_path: Path) -> None:
+    """A representative part of PyTorch's distributed_test suite, on two ranks (each test
+    starts its own processes: about 10 s apiece here); every one must pass. All of it, at any
+    world size: ``scripts/torch_suite.py`` (docs/launchers.md)."""
     pytest.importorskip("expecttest")
     report = tmp_path / "suite.json"
+    chosen = " or ".join(SUITE)
     cmd = [sys.executable, str(ROOT / "scripts/torch_suite.py"), "--backend", "asyncreduce",
-           "--world-size", str(n), "-k", f"({SUITE}) and not any_source", "--json", str(report)]
+           "--world-size", "2", "-k", f"({chosen}) and not any_source", "--json", str(report)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
     import json
 
     outcomes = json.loads(report.read_text())
     failed = sorted(t for t, o in outcomes.items() if o != "passed")
-    assert not failed and len(outcomes) >= 13, out.stdout[-4000:]
+    assert not failed and len(outcomes) >= len(SUITE), out.stdout[-4000:]
 
 
 # ---- review mends: futures whose callbacks wait, subgroups, outputs ------------------------------

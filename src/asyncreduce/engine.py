@@ -86,7 +86,7 @@ class Engine(FrameSink):
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
-            refusal = self.refusal(op.label, op.algo.other_ranks)
+            refusal = self.refusal(op.label, set())  # a goodbye: the session's to judge
             if refusal is not None:
                 raise refusal
             self._submitted.append(op)

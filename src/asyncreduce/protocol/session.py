@@ -97,11 +97,6 @@ class Session:
         if self.broken is not None:
             self._fail(op, broken_by(op, self.broken))
             return
-        if self.liveness.departed:
-            refused = self.refusal(op.label, op.algo.other_ranks)
-            if refused is not None:
-                self._fail(op, refused)
-                return
         earlier = self.matching.failed.get(op.key)
         if earlier is not None:
             self._fail(op, same_error(earlier, str(earlier)))
@@ -123,6 +118,8 @@ class Session:
                 self.matching.spares.give(payload)
                 if not accepted:
                     break
+        if self.liveness.departed and self.matching.live(op):
+            self._fail_what_needs_the_departed(op)
         self._maybe_complete(op)
 
     def buffer_for(self, peer: int, header: Header) -> memoryview | None:
@@ -299,14 +296,24 @@ class Session:
         gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
         self.liveness.departed[peer] = gone
         for op in list(self.matching.ops.values()):
-            if peer in op.algo.pending_sources:
-                self._fail_everywhere(
-                    op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
-                )
+            self._fail_what_needs_the_departed(op)
         for op, _, _ in self.flow.forget(peer):  # kept back for it: it needs them no more
             op.unsent -= 1
             self._maybe_complete(op)
         self.commands.append((do.RELEASE, peer))
+
+    def _fail_what_needs_the_departed(self, op: Operation) -> None:
+        """Fail ``op`` on every rank if it still waits on a rank that said goodbye. An
+        operation posted after such a goodbye runs first on the frames that rank sent before
+        it (it may need nothing more from it: a broadcast's leaf, or a rank the departed one
+        already served) and sends it nothing (``_send``)."""
+        pending = op.algo.pending_sources
+        for peer, gone in list(self.liveness.departed.items()):
+            if peer in pending:
+                self._fail_everywhere(
+                    op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
+                )
+                return
 
     def _control(self, peers: Iterable[int], message: Control) -> None:
         """Send ``message`` to each of ``peers``, encoded once."""

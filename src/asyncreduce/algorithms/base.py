@@ -71,11 +71,6 @@ class Collective(ABC):
         """Whether ``work`` has something to do now (see ``work``)."""
         return False
 
-    @property
-    def other_ranks(self) -> set[int]:
-        """The other ranks this operation involves (a group's: its other members)."""
-        return set(range(self.world_size)) - {self.rank}
-
     def work(self) -> list[Send]:
         """Do one unit of this rank's own work (say, reduce one segment) and return what to
         send. An algorithm whose steps are heavy leaves them here instead of doing them in

@@ -39,10 +39,6 @@ class Translated(Collective):
     def pending_sources(self) -> set[int]:
         return {self._members[i] for i in self.inner.pending_sources}
 
-    @property
-    def other_ranks(self) -> set[int]:
-        return {self._members[i] for i in self.inner.other_ranks}
-
     def start(self) -> list[Send]:
         return self._out(self.inner.start())
 

@@ -346,7 +346,7 @@ def _failed(run: harness.Run, hosts: int, error: str) -> None:
 
 
 def _parent(settings: Settings, argv: Sequence[str], args: argparse.Namespace) -> int:
-    started, load_before = time.monotonic(), harness.load_1min()
+    started, load = time.monotonic(), harness.LoadWatch()
     run = harness.Run("scaling", asdict(settings))
     progress = harness.Progress()
     interrupted = False
@@ -358,7 +358,7 @@ def _parent(settings: Settings, argv: Sequence[str], args: argparse.Namespace) -
         progress.end(f"{_SAY}interrupted; partial results follow")
     elapsed = time.monotonic() - started
     machine = {**harness.machine_info(), "library": harness.library_state()}
-    machine["load_1min"] = {"before": load_before, "after": harness.load_1min()}
+    machine.update(load.ended())
     return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         args.json, lambda path: harness.write_json(path, run, machine, argv, elapsed, summary(run)),

@@ -57,6 +57,9 @@ def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
     assert document["benchmark"] == "allreduce"
     assert document["failures"] == [] and document["skipped"] == {}
     assert document["machine"]["cores"] >= 1
+    stolen = document["machine"]["cpu_stolen"]  # Linux: /proc/stat
+    assert 0.0 <= stolen <= 100.0, stolen
+    assert f"CPU stolen by the hypervisor during the run {stolen:.1f}%" in done.stdout
     assert "--json" in document["command"]["argv"]
     results = {(r["lib"], r["nprocs"], r["bytes"]): r for r in document["results"]}
     assert set(results) == {(lib, 2, size) for lib in libs for size in SIZES}

@@ -47,6 +47,7 @@ from .cluster import (
     run_set_in_cluster,
 )
 from .machine import (
+    LoadWatch,
     cpu_model,
     library_state,
     load_1min,
@@ -132,6 +133,7 @@ __all__ = [
     "json_head",
     "lib_list",
     "library_state",
+    "LoadWatch",
     "load_1min",
     "load_module",
     "machine_info",

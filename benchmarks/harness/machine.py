@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LoadWatch",
     "cpu_model",
     "library_state",
     "load_1min",
@@ -118,6 +119,9 @@ def machine_line(machine: dict[str, Any]) -> str:
     load = machine.get("load_1min")
     if load:
         parts.append(f"load average before/after {load['before']}/{load['after']}")
+    stolen = machine.get("cpu_stolen")
+    if stolen is not None:
+        parts.append(f"CPU stolen by the hypervisor during the run {stolen:.1f}%")
     return "machine: " + "; ".join(parts)
 
 
@@ -135,3 +139,32 @@ def _state_words(state: dict[str, Any]) -> str:
 def load_1min() -> float:
     """The load average over the last minute, as the report shows it."""
     return round(os.getloadavg()[0], 2)
+
+
+class LoadWatch:
+    """What else took the cores while a benchmark ran: the load average before and after,
+    and the share of CPU time the hypervisor gave to other guests (``steal`` in /proc/stat).
+    On a shared host that share swings from 0 to 40% within minutes, and every latency with
+    it; a report that says so tells a slow run from a slow library."""
+
+    def __init__(self) -> None:
+        self._load = load_1min()
+        self._cpu = _cpu_jiffies()
+
+    def ended(self) -> dict[str, Any]:
+        """``load_1min`` and ``cpu_stolen`` (percent of all CPU time, None where unknown)."""
+        now = _cpu_jiffies()
+        stolen = None
+        if self._cpu is not None and now is not None and now[0] > self._cpu[0]:
+            stolen = round(100.0 * (now[1] - self._cpu[1]) / (now[0] - self._cpu[0]), 1)
+        return {"load_1min": {"before": self._load, "after": load_1min()}, "cpu_stolen": stolen}
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """All CPU time and the stolen part, in jiffies since boot (Linux); None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        ticks = [int(f) for f in fields]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks), ticks[7]) if len(ticks) == 8 else None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import parse
-from .machine import library_state, load_1min, machine_info
+from .machine import LoadWatch, library_state, machine_info
 from .ranks import Rank, Tell, worker_main
 from .report import write_json
 from .workers import Progress, Run, SetSpec, run_set, unavailable
@@ -102,7 +102,7 @@ def parent_main(
         return 2
     if args.from_json is not None:
         return replay(bench, args.from_json, plot_path)
-    started, load_before = time.monotonic(), load_1min()
+    started, load = time.monotonic(), LoadWatch()
     skip_unavailable(bench.name, libs, run.skipped, why_not)
     progress = Progress()
     interrupted = False
@@ -114,7 +114,7 @@ def parent_main(
         progress.end(f"{bench.name} bench: interrupted; partial results follow")
     elapsed = time.monotonic() - started
     machine = {**machine_info(), "library": library_state()}
-    machine["load_1min"] = {"before": load_before, "after": load_1min()}
+    machine.update(load.ended())
     return finish(
         bench.report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed, bench.summary(run)),

@@ -261,7 +261,7 @@ def _run_set(
 def _parent_main(
     settings: Settings, json_path: Path | None, plot_path: Path | None, argv: Sequence[str]
 ) -> int:
-    started = time.monotonic()
+    started, load = time.monotonic(), harness.LoadWatch()
     run = Run(settings)
     harness.skip_unavailable("allreduce", settings.libs, run.skipped)
     progress = harness.Progress()
@@ -275,7 +275,7 @@ def _parent_main(
         interrupted = True
         progress.end(f"{_SAY}interrupted; partial results follow")
     elapsed = time.monotonic() - started
-    machine = machine_info()
+    machine = {**machine_info(), **load.ended()}
     machine["memcpy_gbps"] = {str(n): memcpy_gbps(n) for n in settings.sizes if n >= 1 << 20}
     return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),

@@ -90,7 +90,7 @@ def _machine_line(machine: dict[str, Any]) -> str:
         "share a host, else recursive doubling; ring above; cma, where the ranks "
         f"may read each other's memory, from {format_size(machine.get('cross_memory_bytes', 0))})",
     ]
-    return "machine: " + "; ".join(parts)
+    return "machine: " + "; ".join(parts + harness.load_words(machine))
 
 
 def _fmt_us(value: float) -> str:

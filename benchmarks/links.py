@@ -360,7 +360,7 @@ def _run_cluster(hosts: int, rate: str, libs: list[str], settings: Settings, run
 def _parent_main(
     settings: Settings, json_path: Path | None, plot_path: Path | None, argv: Sequence[str]
 ) -> int:
-    started = time.monotonic()
+    started, load = time.monotonic(), harness.LoadWatch()
     run = Run(settings)
     harness.skip_unavailable("links", settings.libs, run.skipped, harness.cluster_unavailable)
     libs = [lib for lib in settings.libs if lib not in run.skipped]
@@ -373,7 +373,7 @@ def _parent_main(
         interrupted = True
         print(f"{_SAY}interrupted; partial results follow", file=sys.stderr)
     elapsed = time.monotonic() - started
-    machine = harness.machine_info()
+    machine = {**harness.machine_info(), **load.ended()}
     return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),

@@ -142,7 +142,7 @@ def _machine_line(machine: dict[str, Any]) -> str:
         machine.get("open_mpi") or "Open MPI not found",
         f"asyncreduce {machine.get('asyncreduce')}",
     ]
-    return "machine: " + "; ".join(parts)
+    return "machine: " + "; ".join(parts + harness.load_words(machine))
 
 
 def write_json(

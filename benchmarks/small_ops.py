@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     began, nbytes = time.perf_counter(), args.size
     machine = {**harness.machine_info(), "library": harness.library_state()}
+    load = harness.LoadWatch()
     rows: list[tuple[str, str, float]] = []  # (key, label, microseconds)
 
     def median(fn: Any, *a: Any) -> float:
@@ -315,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             if call:
                 rows.append(("call", "posting call (iallreduce up to the engine's queue)",
                              statistics.median(r["call_us"] for r in runs)))  # fmt: skip
+    machine.update(load.ended())
     print(harness.machine_line(machine))
     print(f"where a {harness.format_size(nbytes)} float32 allreduce's time goes (one host; the "
           f"engine over loopback TCP; median of {args.repeats})")  # fmt: skip

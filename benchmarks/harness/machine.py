@@ -24,6 +24,7 @@ __all__ = [
     "cpu_model",
     "library_state",
     "load_1min",
+    "load_words",
     "machine_info",
     "machine_line",
     "package_root",
@@ -116,13 +117,19 @@ def machine_line(machine: dict[str, Any]) -> str:
         machine["open_mpi"] or "Open MPI not found",
         f"asyncreduce {machine['asyncreduce']}" + _state_words(machine.get("library", {})),
     ]
+    return "machine: " + "; ".join(parts + load_words(machine))
+
+
+def load_words(machine: dict[str, Any]) -> list[str]:
+    """The machine line's words on what else ran (``LoadWatch``), where the run measured it."""
+    words = []
     load = machine.get("load_1min")
     if load:
-        parts.append(f"load average before/after {load['before']}/{load['after']}")
+        words.append(f"load average before/after {load['before']}/{load['after']}")
     stolen = machine.get("cpu_stolen")
     if stolen is not None:
-        parts.append(f"CPU stolen by the hypervisor during the run {stolen:.1f}%")
-    return "machine: " + "; ".join(parts)
+        words.append(f"CPU stolen by the hypervisor during the run {stolen:.1f}%")
+    return words
 
 
 def _state_words(state: dict[str, Any]) -> str:

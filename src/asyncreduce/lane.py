@@ -33,6 +33,7 @@ Its operations have no flight record and are not asked about as stalls.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -197,22 +198,32 @@ class Lane:
             self._advance()
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
-        """Move the lane from the waiting thread until ``request`` is done, for at most
-        ``_WAITER_SPIN`` (or ``timeout``), yielding the core between looks (a native mailbox
-        waits for the peers' stamps itself, without the GIL)."""
+        """Move the lane from the waiting thread until ``request`` is done, yielding the core
+        between looks (a native mailbox waits for the peers' stamps itself, without the GIL),
+        for as long as the lane moves: ``_WAITER_SPIN`` (at most ``timeout``) from the start,
+        or from the last operation it saw complete. Ranks that lost their core for a while
+        (four ranks on two cores, a hypervisor that took a core) come back to a waiter that
+        still drives, not to a progress thread that looks once a nap."""
         awaited = self._look()  # the peers may be there already: then no spin to set up
         if request.done():
             return
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
-        end = time.monotonic() + spin
+        now = time.monotonic()
+        end, last = now + spin, (now + timeout if timeout is not None else math.inf)
         with self._lock:
             self.drivers += 1
         try:
             while True:
                 if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
                     os.sched_yield()
-                awaited = self._look()
-                if request.done() or time.monotonic() >= end:
+                moved = self._look()
+                if request.done():
+                    break
+                now = time.monotonic()
+                if moved != awaited and moved >= 0:  # an earlier one completed: keep driving
+                    end = min(now + spin, last)
+                awaited = moved
+                if now >= end:
                     break
         finally:
             with self._lock:

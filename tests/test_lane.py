@@ -292,14 +292,15 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
     """The peer's contributions come one by one, each well within the spin but all together
     far past it: the waiter of the last one moves the lane to its end itself (no progress
     thread here), since each completion starts its spin again."""
-    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 0.05)
+    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 0.2)
     world = World(2, kind)
-    mine = [lane_op(s, np.full(2, float(s), np.float32)) for s in range(6)]
+    count = 20
+    mine = [lane_op(s, np.full(2, float(s), np.float32)) for s in range(count)]
     for op in mine:
         post(world.lanes[0], op)
 
     def peer() -> None:
-        for s in range(6):
+        for s in range(count):
             time.sleep(0.02)
             post(world.lanes[1], lane_op(s, np.full(2, 10.0, np.float32)))
             world.lanes[1].progress()
@@ -309,10 +310,10 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
     thread.start()
     world.lanes[0].drive(mine[-1].request, None)
     thread.join()
-    assert time.monotonic() - started >= 0.1  # longer than one spin: it drove on
+    assert time.monotonic() - started >= 0.3  # longer than one spin: it drove on
     assert mine[-1].request.done(), "the waiter gave up while the peer was still coming"
     assert [op.request.result(timeout=0).tolist() for op in mine] == [[s + 10.0] * 2
-                                                                       for s in range(6)]
+                                                                       for s in range(count)]
 
 
 def test_an_operation_made_after_its_post_keeps_the_deadline_of_the_post() -> None:

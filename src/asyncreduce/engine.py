@@ -96,8 +96,9 @@ class Engine(FrameSink):
 
     def refusal(self, label: str, peers: set[int] | None = None) -> BaseException | None:
         """Why a new post that needs ``peers`` (None: every rank) must fail at once (closed,
-        broken, one of them said goodbye), if it must: what ``submit`` raises; the lane asks
-        it without the lock (it refuses posts itself once closed)."""
+        broken, one of them said goodbye), if it must: what ``submit`` raises (asking for no
+        peers: the session judges a goodbye once it has the frames); the lane asks it
+        without the lock, for every rank (it refuses posts itself once closed)."""
         if self._closing.is_set():
             return ClosedError(f"{label}: the communicator is closed")
         session = self.session

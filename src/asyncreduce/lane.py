@@ -210,18 +210,21 @@ class Lane:
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
         now = time.monotonic()
         end, last = now + spin, (now + timeout if timeout is not None else math.inf)
+        seen = awaited  # the operation the lane waited for at the last look that got the lock
         with self._lock:
             self.drivers += 1
         try:
             while True:
                 if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
                     os.sched_yield()
-                moved = self._look()
+                moved = self._look()  # (-1 where another thread held the lane: no news)
                 if request.done():
                     break
                 now = time.monotonic()
-                if moved != awaited and moved >= 0:  # an earlier one completed: keep driving
-                    end = min(now + spin, last)
+                if moved >= 0:
+                    if seen >= 0 and moved != seen:  # an earlier one completed: drive on
+                        end = min(now + spin, last)
+                    seen = moved
                 awaited = moved
                 if now >= end:
                     break

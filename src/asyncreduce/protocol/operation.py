@@ -45,6 +45,7 @@ class Operation:
     started: float = field(default=0.0, init=False)  # monotonic, for the stall inspector
     small: bool = field(default=False, init=False)  # latency-bound (see Engine._poll)
     ended: bool = field(default=False, init=False)  # its request was given its outcome
+    dropped_for: int = field(default=-1, init=False)  # a departed rank it had a frame for
     record: Record | None = field(default=None, init=False)
 
 

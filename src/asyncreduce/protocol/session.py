@@ -75,8 +75,9 @@ class Session:
 
     def refusal(self, label: str, peers: set[int] | None = None) -> BrokenError | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken, or one of ``peers`` (None: any rank) said goodbye. A group's operation runs on
-        when a rank outside the group has closed."""
+        broken, or one of ``peers`` (None: any rank, for the lane's allreduce, which needs
+        them all) said goodbye. ``post`` judges an engine operation after a goodbye itself,
+        on the frames the departed rank sent first (Engine.submit passes no peers)."""
         if self.broken is not None:
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken
@@ -119,7 +120,7 @@ class Session:
                 if not accepted:
                     break
         if self.liveness.departed and self.matching.live(op):
-            self._fail_what_needs_the_departed(op)
+            self._fail_what_needs_the_departed(op, posted=True)
         self._maybe_complete(op)
 
     def buffer_for(self, peer: int, header: Header) -> memoryview | None:
@@ -291,8 +292,8 @@ class Session:
     def _on_goodbye(self, peer: int, reason: str) -> None:
         """``peer`` closed in good order: fail what still needs it (``pending_sources``: a
         frame to come, or its memory still to be read), on every rank (the others may need it
-        through us); refuse new posts that involve it (a group without it goes on). Its frames
-        came before its goodbye, so an operation that no longer waits on it can still complete."""
+        through us); a later post is judged the same way (``post``). Its frames came before
+        its goodbye, so an operation that no longer waits on it can still complete."""
         gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
         self.liveness.departed[peer] = gone
         for op in list(self.matching.ops.values()):
@@ -302,18 +303,22 @@ class Session:
             self._maybe_complete(op)
         self.commands.append((do.RELEASE, peer))
 
-    def _fail_what_needs_the_departed(self, op: Operation) -> None:
+    def _fail_what_needs_the_departed(self, op: Operation, posted: bool = False) -> None:
         """Fail ``op`` on every rank if it still waits on a rank that said goodbye. An
         operation posted after such a goodbye runs first on the frames that rank sent before
         it (it may need nothing more from it: a broadcast's leaf, or a rank the departed one
-        already served) and sends it nothing (``_send``)."""
+        already served) and fails if it had anything to send that rank (``posted``): that rank
+        left without it (a send, a gather to it, a broadcast it was to relay)."""
         pending = op.algo.pending_sources
         for peer, gone in list(self.liveness.departed.items()):
             if peer in pending:
-                self._fail_everywhere(
-                    op, BrokenError(f"{op.label} still needed rank {peer}, but {gone}")
-                )
-                return
+                why = f"{op.label} still needed rank {peer}, but {gone}"
+            elif posted and peer == op.dropped_for:
+                why = f"{op.label} had data for rank {peer}, but {gone} without it"
+            else:
+                continue
+            self._fail_everywhere(op, BrokenError(why))
+            return
 
     def _control(self, peers: Iterable[int], message: Control) -> None:
         """Send ``message`` to each of ``peers``, encoded once."""
@@ -395,7 +400,8 @@ class Session:
 
     def _send(self, op: Operation, s: Send) -> None:
         if s.dst in self.liveness.departed:
-            return  # it closed in good order, so it needs nothing more from us
+            op.dropped_for = s.dst  # it closed in good order: it waits for nothing more
+            return
         payload = bytes_of(s.payload)
         head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
         op.unsent += 1

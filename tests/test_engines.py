@@ -22,6 +22,9 @@ BACKENDS = [
 ]
 
 
+NATIVE_COLLECTIVES: dict[int, dict[str, bytes]] = {}  # world size: the native engine's digests
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collectives_are_exact_and_equal_to_native(n: int, backend: str) -> None:
@@ -30,8 +33,6 @@ def test_collectives_are_exact_and_equal_to_native(n: int, backend: str) -> None
     results = run_ranks(n, tc.body_collectives, backend=backend, timeout=90)
     assert all(results[r] == NATIVE_COLLECTIVES[n] for r in range(n))
 
-
-NATIVE_COLLECTIVES: dict[int, dict[str, bytes]] = {}  # world size: the native engine's digests
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

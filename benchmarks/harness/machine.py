@@ -23,7 +23,6 @@ __all__ = [
     "LoadWatch",
     "cpu_model",
     "library_state",
-    "load_1min",
     "load_words",
     "machine_info",
     "machine_line",
@@ -143,7 +142,7 @@ def _state_words(state: dict[str, Any]) -> str:
     return f" ({', '.join(words)})" if words else ""
 
 
-def load_1min() -> float:
+def _load_1min() -> float:
     """The load average over the last minute, as the report shows it."""
     return round(os.getloadavg()[0], 2)
 
@@ -155,7 +154,7 @@ class LoadWatch:
     it; a report that says so tells a slow run from a slow library."""
 
     def __init__(self) -> None:
-        self._load = load_1min()
+        self._load = _load_1min()
         self._cpu = _cpu_jiffies()
 
     def ended(self) -> dict[str, Any]:
@@ -164,7 +163,7 @@ class LoadWatch:
         stolen = None
         if self._cpu is not None and now is not None and now[0] > self._cpu[0]:
             stolen = round(100.0 * (now[1] - self._cpu[1]) / (now[0] - self._cpu[0]), 1)
-        return {"load_1min": {"before": self._load, "after": load_1min()}, "cpu_stolen": stolen}
+        return {"load_1min": {"before": self._load, "after": _load_1min()}, "cpu_stolen": stolen}
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:

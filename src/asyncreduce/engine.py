@@ -86,7 +86,7 @@ class Engine(FrameSink):
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
-            refusal = self.refusal(op.label, set())  # a goodbye: the session's to judge
+            refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye
             if refusal is not None:
                 raise refusal
             self._submitted.append(op)
@@ -94,17 +94,17 @@ class Engine(FrameSink):
         if sleeping:
             self.transport.wakeup()
 
-    def refusal(self, label: str, peers: set[int] | None = None) -> BaseException | None:
-        """Why a new post that needs ``peers`` (None: every rank) must fail at once (closed,
-        broken, one of them said goodbye), if it must: what ``submit`` raises (asking for no
-        peers: the session judges a goodbye once it has the frames); the lane asks it
-        without the lock, for every rank (it refuses posts itself once closed)."""
+    def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
+        """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
+        said goodbye), if it must: what ``submit`` raises (without ``goodbyes``: the session
+        judges those once it has the frames); the lane asks it without the lock, with them
+        (its allreduce needs every rank; it refuses posts itself once closed)."""
         if self._closing.is_set():
             return ClosedError(f"{label}: the communicator is closed")
         session = self.session
         if session.broken is None and not session.liveness.departed:
             return None  # the usual case, asked for every post: nothing built
-        return session.refusal(label, peers)
+        return session.refusal(label, goodbyes)
 
     def nudge(self) -> None:
         """The lane has work this thread must look at: wake it if it sleeps for longer than

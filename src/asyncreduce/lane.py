@@ -274,7 +274,7 @@ class Lane:
                              else broken_by(op, session.broken))  # fmt: skip
                     self._fail(op, error)
                     continue
-                refused = session.refusal(op.label, None) if session.liveness.departed else None
+                refused = session.refusal(op.label) if session.liveness.departed else None
                 if refused is not None:
                     self._fail(op, refused)
                     continue

@@ -73,17 +73,16 @@ class Session:
 
     # ---- queries -------------------------------------------------------------------------------
 
-    def refusal(self, label: str, peers: set[int] | None = None) -> BrokenError | None:
+    def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken, or one of ``peers`` (None: any rank, for the lane's allreduce, which needs
-        them all) said goodbye. ``post`` judges an engine operation after a goodbye itself,
-        on the frames the departed rank sent first (Engine.submit passes no peers)."""
+        broken, or (``goodbyes``: for the lane's allreduce, which needs every rank) a rank
+        said goodbye. An engine operation posted after a goodbye is judged by ``post``
+        instead, on the frames the departed rank sent first."""
         if self.broken is not None:
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken
             return error
-        gone = [why for peer, why in list(self.liveness.departed.items())  # one call: safe
-                if peers is None or peer in peers]  # fmt: skip
+        gone = list(self.liveness.departed.values()) if goodbyes else []  # one call: safe
         return BrokenError(f"{label}: {gone[0]}") if gone else None
 
     @property
@@ -400,7 +399,7 @@ class Session:
 
     def _send(self, op: Operation, s: Send) -> None:
         if s.dst in self.liveness.departed:
-            op.dropped_for = s.dst  # it closed in good order: it waits for nothing more
+            op.dropped_for = s.dst  # it closed: nobody reads it (a post fails for it: post)
             return
         payload = bytes_of(s.payload)
         head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)

@@ -2,12 +2,15 @@
 
 An operation of at most ``SMALL_ALLREDUCE_BYTES`` is *small*: its events make the progress
 thread busy-poll for ``settings.spin`` instead of sleeping in the kernel (engine.py ``_poll``),
-and completing it hands the core to its waiter at once. The fallback is the sleeping path,
-``ASYNCREDUCE_SPIN_US=0``. Every test here runs both, on real processes over real sockets:
-small operations from several threads beside large ones from another (over TCP, in the same
-queues), every value checked; a
-peer killed while the others spin; and what the spin leaves behind once it is over (no core
-kept busy). The sans-IO side (which events start a spin) is tested in one process.
+and completing it hands the core to its waiter at once, or its waiter runs the engine's loop
+itself (progress in the call, ``Engine.drive``). The fallback is the sleeping path,
+``ASYNCREDUCE_SPIN_US=0``, where the progress thread alone moves everything. Every test here
+runs both, on real processes over real sockets: small operations from several threads beside
+large ones from another (over TCP, in the same queues), every value checked; a peer killed
+while the others spin; and what the spin leaves behind once it is over (no core kept busy).
+Waiters that drive the loop are tested on their own too: they complete their operations, a
+bug in their turn breaks every rank, a close while they drive fails them. The sans-IO side
+(which events start a spin) is tested in one process.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 
 import asyncreduce as ar
 from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
+from asyncreduce.engine import Engine
 from asyncreduce.protocol import Settings
 from spmd import in_threads, run_ranks
 from wire import Wire
@@ -35,10 +39,14 @@ THREADS, PER_THREAD = 4, 40
 BULK_OPS = 16
 
 
-def _spin_of(comm: ar.Communicator) -> float:
+def _engine(comm: ar.Communicator) -> Engine:
     engine = comm._backend.engine
-    assert engine is not None
-    return float(engine.settings.spin)
+    assert isinstance(engine, Engine)
+    return engine
+
+
+def _spin_of(comm: ar.Communicator) -> float:
+    return float(_engine(comm).settings.spin)
 
 
 def _small_size(j: int) -> int:
@@ -77,6 +85,7 @@ def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
     in_threads(bulk, *(functools.partial(small, t) for t in range(THREADS)))
     return {
         "spin": _spin_of(comm),
+        "driven": _engine(comm).driven,
         "small": sorted(small_took),
         "bulk": sorted(t - start for t in bulk_done),
     }
@@ -87,6 +96,9 @@ def test_small_operations_from_threads_complete_beside_large_ones(path: str) -> 
     results = run_ranks(3, body_small_beside_large, env=PATHS[path], timeout=120)
     for rank, got in results.items():
         assert (got["spin"] > 0) == (path == "spin"), f"rank {rank}: spin {got['spin']}"
+        # where it spins, waiters drive the loop (some, not all: one drives at a time, and the
+        # progress thread finishes what completes while it holds the loop); else none does
+        assert (got["driven"] > 0) == (path == "spin"), f"rank {rank}: {got['driven']} driven"
         assert len(got["small"]) == THREADS * PER_THREAD and len(got["bulk"]) == BULK_OPS
         # small operations cut in: queued behind the bulk, each would take a bulk operation
         median_small = got["small"][len(got["small"]) // 2]
@@ -133,6 +145,98 @@ def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: st
         assert got["noticed"] < 10, f"rank {rank}: the loss took {got['noticed']:.1f} s"
         # nothing left spinning: a busy-polling thread would use ~0.5 s of CPU here
         assert got["idle_cpu"] < 0.2, f"rank {rank}: {got['idle_cpu']:.2f} s CPU while idle"
+
+
+# ---- progress in the call: a waiter that runs the engine's loop ---------------------------
+
+
+def body_waiters_drive(comm: ar.Communicator) -> dict[str, Any]:
+    """Blocking small allreduces back to back, over TCP, one thread: returns how many of them
+    the waiter completed driving the loop, and whether every value was right."""
+    exact = True
+    for i in range(200):
+        x = np.full(256, float(comm.rank + i), np.float32)
+        comm.allreduce(x)
+        exact &= bool(np.all(x == sum(r + i for r in range(comm.world_size))))
+    return {"driven": _engine(comm).driven, "exact": exact}
+
+
+def test_a_waiter_drives_the_loop_and_completes_its_own_operation() -> None:
+    results = run_ranks(2, body_waiters_drive, env=TCP, timeout=60)
+    for rank, got in results.items():
+        assert got["exact"], f"rank {rank}: wrong values"
+        # nearly every one: the progress thread stands aside for a waiter that asks, within
+        # a turn of its loop (a few finish on it before the waiter got there)
+        assert got["driven"] >= 100, f"rank {rank}: only {got['driven']} of 200 driven"
+
+
+def body_driver_bug(comm: ar.Communicator) -> dict[str, Any]:
+    """On rank 1, a frame that a waiter's turn takes in raises (a bug in the loop, on the
+    waiter's thread); every rank returns the error its allreduce ended with."""
+    engine = _engine(comm)
+    comm.barrier()
+    if comm.rank == 1:
+        real = engine.session.on_frame
+
+        def on_frame(*args: Any) -> None:
+            if threading.current_thread().name.startswith("MainThread"):
+                raise RuntimeError("a bug in the loop, on the waiter's thread")
+            real(*args)
+
+        engine.session.on_frame = on_frame  # type: ignore[method-assign]
+    began = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.allreduce(np.ones(16, np.float32))
+    except ar.BrokenError as exc:
+        return {"error": str(exc), "took": time.monotonic() - began, "driven": engine.driven}
+    return {"error": None, "took": time.monotonic() - began, "driven": engine.driven}
+
+
+def test_a_bug_in_a_waiters_turn_breaks_the_communicator_on_every_rank() -> None:
+    results = run_ranks(3, body_driver_bug, env=TCP, timeout=90)
+    assert results[1]["error"] is not None and "progress thread crashed" in results[1]["error"]
+    assert "a bug in the loop" in results[1]["error"], results[1]["error"]
+    for rank, got in results.items():
+        assert got["error"] is not None, f"rank {rank} ran 1000 allreduces past the bug"
+        assert got["took"] < 30, f"rank {rank} took {got['took']:.1f} s to hear of it"
+
+
+def body_close_while_driving(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank 0's threads wait on small allreduces rank 1 never posts (each drives the loop
+    first); the main thread closes meanwhile. Returns what each waiter ended with, and how
+    long the close took."""
+    if comm.rank == 1:
+        comm.barrier()
+        time.sleep(1.0)
+        return {}
+    comm.barrier()
+    ended: list[str] = []
+
+    def wait_one(t: int) -> None:
+        try:
+            comm.allreduce(np.ones(64, np.float32), name=f"never{t}")
+            ended.append("completed")
+        except ar.ClosedError:
+            ended.append("closed")
+
+    waiters = [threading.Thread(target=wait_one, args=(t,)) for t in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.001)  # (some still drive: each does for 2 ms)
+    began = time.monotonic()
+    comm.close()
+    took = time.monotonic() - began
+    for w in waiters:
+        w.join(10)
+    return {"ended": sorted(ended), "took": took, "alive": sum(w.is_alive() for w in waiters)}
+
+
+def test_a_close_while_waiters_drive_fails_them_and_returns() -> None:
+    got = run_ranks(2, body_close_while_driving, env=TCP, timeout=60)[0]
+    assert got["alive"] == 0, got
+    assert got["ended"] == ["closed"] * 3, got
+    assert got["took"] < 5, got
 
 
 # ---- sans-IO: which events start a spin -----------------------------------------------------

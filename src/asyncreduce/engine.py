@@ -11,19 +11,32 @@ The loop: take submitted operations, let the transport move bytes (it calls back
 (deadlines, heartbeats, stall questions). Closing is a handshake: GOODBYE to every peer, then
 read until each has closed too. Completing a request wakes its waiters; done-callbacks run
 elsewhere (see request.py).
+
+Progress in the call. A thread that waits on a small operation runs that same loop itself for
+a while (``drive``, MPI's progress-in-the-call): it asks for the loop, this thread stands
+aside between two turns (or is woken from its sleep to), and the waiter moves bytes until its
+operation completes, or nothing happened for ``_DRIVE_SPIN``. The completion then wakes
+nobody: the waiter is the thread that finishes it. Whoever runs the loop holds ``_owner``,
+so the transport and the protocol still have one thread at a time, and need no lock of their
+own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is
+raised on this thread, which fails every request as for its own.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from . import forks
+from .algorithms import SMALL_ALLREDUCE_BYTES
 from .errors import BrokenError, ClosedError
 from .flight import FlightRecorder
 from .lane import Lane, LaneOp
@@ -31,7 +44,8 @@ from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHD
 from .protocol.failure import broken_by, closed_under
 from .protocol.operation import Operation, Settings
 from .protocol.session import Session
-from .protocol.wire import describe
+from .protocol.wire import describe, payload_bytes
+from .request import Request
 from .transport.base import FrameSink, Transport
 from .transport.frame import MAX_ERROR_BYTES, Header
 
@@ -47,6 +61,7 @@ _LANE_NAP = 1e-3  # its longest sleep while the lane has work
 _LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thread (a waiter,
 # test() or a callback does, see Request), so an operation nobody looks at waits this long
 _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
+_DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it saw
 
 
 class Engine(FrameSink):
@@ -70,6 +85,13 @@ class Engine(FrameSink):
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
         self._dozing = False  # and for longer than the lane's nap: a lane post must (nudge)
         self._applying = False  # commands are being applied (a send may report itself sent)
+        self._owner = threading.Lock()  # held by whoever runs the loop: this thread or a driver
+        self._turn = threading.Condition(threading.Lock())  # where this thread stands aside
+        self._drivers = 0  # waiters that want the loop or have it (under ``_turn``)
+        self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
+        self._driving = False  # a waiter holds the loop (its completions wake nobody)
+        self._generation = forks.generation()  # a forked child must not run the loop
+        self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
@@ -85,6 +107,9 @@ class Engine(FrameSink):
     def submit(self, op: Operation) -> None:
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
+        request, small = op.request, payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
+        if small and request.mover is None and self.settings.spin:
+            request.mover = self  # its waiter drives the loop (see the module docstring)
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
             refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye
             if refusal is not None:
@@ -114,6 +139,52 @@ class Engine(FrameSink):
             dozing = self._dozing
         if dozing:
             self.transport.wakeup()
+
+    def drive(self, request: Request[Any], timeout: float | None) -> None:
+        """Run the loop on the waiting thread until ``request`` is done, for as long as
+        something happens (``_DRIVE_SPIN``, at most ``timeout``): ask for the loop, wake this
+        thread if it sleeps (it stands aside after its turn), and take it. A waiter that
+        cannot have it soon (another drives, a long unit of work) waits as before."""
+        if self._closing.is_set() or self._crash is not None or self._forked():
+            return
+        spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
+        with self._turn:
+            self._drivers += 1
+        try:
+            with self._lock:  # (see _poll: it sleeps only where it saw no driver)
+                sleeping = self._sleeping
+            if sleeping:
+                self.transport.wakeup()
+            if self._take_owner(request, time.monotonic() + spin):
+                self._driving = True
+                try:
+                    self._drive(request, spin, timeout)
+                finally:
+                    self._driving = False
+                    self._owner.release()
+        finally:
+            with self._turn:
+                self._drivers -= 1
+                if not self._drivers and self._has_work():
+                    self._turn.notify()  # (else it looks again within its nap: see _stand_aside)
+
+    def _has_work(self) -> bool:
+        """Whether the loop has anything to move but what arrives unasked (heartbeats, a
+        peer's early frames), which can wait for this thread's nap."""
+        session, lane = self.session, self.lane
+        return bool(
+            self._submitted or session.matching.ops or session.working
+            or (lane is not None and lane.busy) or self._closing.is_set()
+        )  # fmt: skip
+
+    def _forked(self) -> bool:
+        return forks.generation() != self._generation
+
+    def poke(self) -> None:
+        """``Request.test``: nothing to do, this thread moves the operation anyway."""
+
+    def wake(self) -> None:
+        """Nobody may wait on the request: nothing to do, this thread moves it anyway."""
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""
@@ -148,33 +219,103 @@ class Engine(FrameSink):
         """The most bytes of early frames ever held at once (tests and diagnostics)."""
         return self.session.flow.peak
 
+    # ---- a waiting thread, holding the loop ----------------------------------------------
+
+    def _take_owner(self, request: Request[Any], end: float) -> bool:
+        """Take the loop once this thread stands aside, unless ``request`` is done first, or
+        ``end`` comes; False then."""
+        owner = self._owner
+        while not owner.acquire(blocking=False):
+            if request.done() or time.monotonic() >= end:
+                return False
+            os.sched_yield()  # (this thread finishes its turn the sooner)
+        return True
+
+    def _drive(self, request: Request[Any], spin: float, timeout: float | None) -> None:
+        """Turns of the loop that never block, yielding the core between them, until
+        ``request`` is done, a close or a bug, or ``spin`` after the last small operation's
+        event (``session.spin_until`` moves at each), at most ``timeout`` in all."""
+        session = self.session
+        now = time.monotonic()
+        end, last = now + spin, (now + timeout if timeout is not None else math.inf)
+        seen = session.spin_until
+        while not (self._closing.is_set() or self._crash is not None):
+            try:
+                self._take_submitted(driving=True)
+                self.transport.poll(0.0)
+                self._turn_rest()
+            except BaseException as exc:  # a bug: this thread raises it, and fails everything
+                self._crash = exc
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            if request.done():
+                self.driven += 1
+                return
+            now = time.monotonic()
+            if session.spin_until != seen:
+                seen, end = session.spin_until, min(now + spin, last)
+            if now >= end:
+                return
+            os.sched_yield()
+
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
         np.seterr(all="ignore")  # this thread only: overflow is the caller's data, not our warning
         session = self.session
         try:
-            while self._take_submitted():
-                self._poll()
-                if session.working:
-                    session.work(time.monotonic())
-                    self._apply()
-                session.tick(time.monotonic())
-                self._apply()
-                if self.lane is not None and self.lane.busy:
-                    self._move_lane(self.lane)
-            self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
+            while self._turn_owned():
+                if self._drivers:
+                    self._stand_aside()
+            with self._owner:
+                self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             log.exception("asyncreduce progress thread crashed")
-            with self._lock:  # a submit that checked before this sees it, or is taken below
-                session.fail_all(BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}"))
-            self._apply(each_alone=True)
-            self._close_lane()
-            self._take_submitted()  # fails what was submitted meanwhile (the session is broken)
+            self._crash = self._crash or exc
+            with self._owner:
+                with self._lock:  # a submit that checked before this sees it, or is taken below
+                    session.fail_all(
+                        BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}")
+                    )
+                self._apply(each_alone=True)
+                self._close_lane()
+                self._take_submitted()  # fails what was submitted meanwhile (it is broken)
             self._closing.wait()  # new posts fail at once; wait for close()
-            self._take_submitted()
+            with self._owner:
+                self._take_submitted()
         finally:
             self.transport.close()
+
+    def _turn_owned(self) -> bool:
+        """One turn of the loop, holding it; False once close() was asked for."""
+        with self._owner:
+            if self._crash is not None:
+                raise self._crash  # (a driver's bug: fail as for one of this thread)
+            if not self._take_submitted():
+                return False
+            self._poll()
+            self._turn_rest()
+        return True
+
+    def _turn_rest(self) -> None:
+        """The turn after taking posts and moving bytes: a unit of work, a tick, the lane."""
+        session = self.session
+        if session.working:
+            session.work(time.monotonic())
+            self._apply()
+        session.tick(time.monotonic())
+        self._apply()
+        if self.lane is not None and self.lane.busy:
+            self._move_lane(self.lane)
+
+    def _stand_aside(self) -> None:
+        """Let the waiters that asked for the loop have it, until the last gives it back (or
+        a close: a driver stops at one). The last wakes this thread only where work is left
+        (``_has_work``): a wake-up per operation cost as much as the operation's Python."""
+        with self._turn:
+            while self._drivers and not self._closing.is_set():
+                self._turn.wait(_LANE_NAP)
 
     def _move_lane(self, lane: Lane) -> None:
         """Publish and complete what the lane can; now and then fail what must fail."""
@@ -205,10 +346,13 @@ class Engine(FrameSink):
         while self.transport.open_peers() and time.monotonic() < deadline:
             self.transport.poll(max(0.0, deadline - time.monotonic()))
 
-    def _take_submitted(self) -> bool:
-        """Start what was submitted; False once close() was asked for."""
-        while self._submitted:  # read without the lock: only this thread takes from it
+    def _take_submitted(self, driving: bool = False) -> bool:
+        """Start what was submitted; False once close() was asked for (``driving``: a waiter
+        holds the loop, and leaves a close to this thread)."""
+        while self._submitted:  # read without the lock: only the loop's holder takes from it
             with self._lock:
+                if driving and self._closing.is_set():
+                    return False  # (set before the close's None is queued, under this lock)
                 op = self._submitted.popleft()
             if op is None:
                 with self._lock:
@@ -243,8 +387,10 @@ class Engine(FrameSink):
             os.sched_yield()
             return
         with self._lock:
-            self._sleeping = True
+            self._sleeping = True  # (a driver reads it after it counted itself: see drive)
             timeout = self.session.liveness.timeout(now) if not self._submitted else 0.0
+            if self._drivers:
+                timeout = 0.0  # a waiter asks for the loop
             if lane is not None:  # read under the lock: see ``nudge``
                 timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
             self._dozing = timeout > _LANE_NAP
@@ -290,7 +436,7 @@ class Engine(FrameSink):
                 op.request.set_exception(error)  # type: ignore[arg-type]
             else:
                 op.request.set_result(value)
-                if op.small and self.settings.spin:
+                if op.small and self.settings.spin and not self._driving:
                     os.sched_yield()  # the waiter runs now, not after another round of the loop
         elif what == DROP:
             transport.drop(command[1])

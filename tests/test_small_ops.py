@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
+from asyncreduce import engine as engine_module
 from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
 from asyncreduce.engine import Engine
 from asyncreduce.protocol import Settings
@@ -152,7 +153,10 @@ def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: st
 
 def body_waiters_drive(comm: ar.Communicator) -> dict[str, Any]:
     """Blocking small allreduces back to back, over TCP, one thread: returns how many of them
-    the waiter completed driving the loop, and whether every value was right."""
+    the waiter completed driving the loop, and whether every value was right. (A waiter drives
+    for 50 ms past the last event here, not 2: a rank that lost its core for a scheduler
+    slice must not make the count flaky.)"""
+    engine_module._DRIVE_SPIN = 0.05
     exact = True
     for i in range(200):
         x = np.full(256, float(comm.rank + i), np.float32)
@@ -170,20 +174,47 @@ def test_a_waiter_drives_the_loop_and_completes_its_own_operation() -> None:
         assert got["driven"] >= 100, f"rank {rank}: only {got['driven']} of 200 driven"
 
 
+def body_overflow_on_a_waiter_that_raises(comm: ar.Communicator) -> dict[str, Any]:
+    """The caller asks numpy to raise on overflow; its small allreduces overflow float32, and
+    it drives the loop, which reduces on its thread. Returns whether each ended at inf."""
+    engine_module._DRIVE_SPIN = 0.05
+    old = np.seterr(all="raise")
+    try:
+        ends = []
+        for _ in range(20):
+            x = np.full(16, 3e38, np.float32)
+            comm.allreduce(x)
+            ends.append(bool(np.all(np.isinf(x))))
+    finally:
+        np.seterr(**old)
+    return {"ends": ends, "driven": _engine(comm).driven}
+
+
+def test_overflow_on_a_driving_waiter_is_the_data_not_a_crash() -> None:
+    for rank, got in run_ranks(2, body_overflow_on_a_waiter_that_raises, env=TCP).items():
+        assert got["ends"] == [True] * 20, f"rank {rank}: {got['ends']}"
+        assert got["driven"] > 0, f"rank {rank}: no waiter drove the loop"
+
+
 def body_driver_bug(comm: ar.Communicator) -> dict[str, Any]:
     """On rank 1, a frame that a waiter's turn takes in raises (a bug in the loop, on the
     waiter's thread); every rank returns the error its allreduce ended with."""
     engine = _engine(comm)
     comm.barrier()
     if comm.rank == 1:
-        real = engine.session.on_frame
+        session = engine.session
 
-        def on_frame(*args: Any) -> None:
-            if threading.current_thread().name.startswith("MainThread"):
-                raise RuntimeError("a bug in the loop, on the waiter's thread")
-            real(*args)
+        def buggy(real: Any) -> Any:
+            def on_waiters_thread(*args: Any) -> Any:
+                if threading.current_thread() is threading.main_thread():
+                    raise RuntimeError("a bug in the loop, on the waiter's thread")
+                return real(*args)
 
-        engine.session.on_frame = on_frame  # type: ignore[method-assign]
+            return on_waiters_thread
+
+        # a small frame comes as a view (on_view), an early or control one whole (on_frame)
+        session.on_frame = buggy(session.on_frame)  # type: ignore[method-assign]
+        session.on_view = buggy(session.on_view)  # type: ignore[method-assign]
     began = time.monotonic()
     try:
         for _ in range(1000):
@@ -203,14 +234,16 @@ def test_a_bug_in_a_waiters_turn_breaks_the_communicator_on_every_rank() -> None
 
 
 def body_close_while_driving(comm: ar.Communicator) -> dict[str, Any]:
-    """Rank 0's threads wait on small allreduces rank 1 never posts (each drives the loop
-    first); the main thread closes meanwhile. Returns what each waiter ended with, and how
-    long the close took."""
+    """Rank 0's threads wait on small allreduces rank 1 never posts, each driving the loop (or
+    asking for it) for up to 30 s; once all three do, the main thread closes. Returns what
+    each waiter ended with, and how long the close took."""
     if comm.rank == 1:
         comm.barrier()
         time.sleep(1.0)
         return {}
     comm.barrier()
+    engine_module._DRIVE_SPIN = 30.0  # a driver that missed the close would hold it this long
+    engine = _engine(comm)
     ended: list[str] = []
 
     def wait_one(t: int) -> None:
@@ -223,7 +256,8 @@ def body_close_while_driving(comm: ar.Communicator) -> dict[str, Any]:
     waiters = [threading.Thread(target=wait_one, args=(t,)) for t in range(3)]
     for w in waiters:
         w.start()
-    time.sleep(0.001)  # (some still drive: each does for 2 ms)
+    while len(engine._drivers) < 3:
+        time.sleep(0.001)
     began = time.monotonic()
     comm.close()
     took = time.monotonic() - began

@@ -37,7 +37,8 @@ import numpy as np
 
 from . import forks
 from .algorithms import SMALL_ALLREDUCE_BYTES
-from .errors import BrokenError, ClosedError
+from .algorithms.reduction import quiet_numpy
+from .errors import BrokenError, ClosedError, UsageError
 from .flight import FlightRecorder
 from .lane import Lane, LaneOp
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
@@ -85,9 +86,13 @@ class Engine(FrameSink):
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
         self._dozing = False  # and for longer than the lane's nap: a lane post must (nudge)
         self._applying = False  # commands are being applied (a send may report itself sent)
-        self._owner = threading.Lock()  # held by whoever runs the loop: this thread or a driver
+        self._owner = threading.RLock()  # held by whoever runs the loop: this thread or a
+        # driver (an RLock to know, after an interrupt, whether this thread still holds it)
+        self._holder = 0  # the thread ident of the driver that holds it, or 0
         self._turn = threading.Condition(threading.Lock())  # where this thread stands aside
-        self._drivers = 0  # waiters that want the loop or have it (under ``_turn``)
+        self._aside = False  # it does (a submit then wakes it where no driver holds the loop)
+        self._drivers: set[int] = set()  # the threads that want the loop or have it (a set:
+        # an add or discard cannot be cut in half by an interrupt)
         self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
         self._driving = False  # a waiter holds the loop (its completions wake nobody)
         self._generation = forks.generation()  # a forked child must not run the loop
@@ -118,6 +123,9 @@ class Engine(FrameSink):
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
             self.transport.wakeup()
+        elif self._aside and not self._drivers:  # (a driver takes it; else the nap would)
+            with self._turn:
+                self._turn.notify()
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
@@ -147,26 +155,30 @@ class Engine(FrameSink):
         cannot have it soon (another drives, a long unit of work) waits as before."""
         if self._closing.is_set() or self._crash is not None or self._forked():
             return
+        me = threading.get_ident()
+        if self._holder == me:  # a signal handler that interrupted this thread's turn
+            raise UsageError(
+                f"{request.label}: waited on from code that interrupted this thread while it "
+                "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
+            )
         spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
-        with self._turn:
-            self._drivers += 1
         try:
+            self._drivers.add(me)
             with self._lock:  # (see _poll: it sleeps only where it saw no driver)
                 sleeping = self._sleeping
             if sleeping:
                 self.transport.wakeup()
             if self._take_owner(request, time.monotonic() + spin):
-                self._driving = True
-                try:
-                    self._drive(request, spin, timeout)
-                finally:
-                    self._driving = False
-                    self._owner.release()
+                self._holder, self._driving = me, True
+                quiet_numpy(lambda: self._drive(request, spin, timeout))
         finally:
-            with self._turn:
-                self._drivers -= 1
-                if not self._drivers and self._has_work():
-                    self._turn.notify()  # (else it looks again within its nap: see _stand_aside)
+            if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
+                self._holder, self._driving = 0, False
+                self._owner.release()
+            self._drivers.discard(me)
+            if not self._drivers and self._has_work():
+                with self._turn:
+                    self._turn.notify()  # (else it looks again within its nap: _stand_aside)
 
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
@@ -202,8 +214,9 @@ class Engine(FrameSink):
                 self._aborting = abort_reason
                 self._submitted.append(None)
         self.transport.wakeup()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._thread is not threading.current_thread() and self._holder != threading.get_ident():
+            self._thread.join()  # (not from a signal handler on a thread that holds the loop: the
+            # thread waits for it; the interrupted turn stops at the close, and the thread ends)
 
     @property
     def broken(self) -> BaseException | None:
@@ -226,7 +239,7 @@ class Engine(FrameSink):
         ``end`` comes; False then."""
         owner = self._owner
         while not owner.acquire(blocking=False):
-            if request.done() or time.monotonic() >= end:
+            if request.done() or self._closing.is_set() or time.monotonic() >= end:
                 return False
             os.sched_yield()  # (this thread finishes its turn the sooner)
         return True
@@ -271,8 +284,9 @@ class Engine(FrameSink):
             with self._owner:
                 self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
+            self._crash = self._crash or exc  # (first: drivers stop)
+            self._applying = False  # (it may have been cut short)
             log.exception("asyncreduce progress thread crashed")
-            self._crash = self._crash or exc
             with self._owner:
                 with self._lock:  # a submit that checked before this sees it, or is taken below
                     session.fail_all(
@@ -290,8 +304,9 @@ class Engine(FrameSink):
     def _turn_owned(self) -> bool:
         """One turn of the loop, holding it; False once close() was asked for."""
         with self._owner:
-            if self._crash is not None:
-                raise self._crash  # (a driver's bug: fail as for one of this thread)
+            if self._crash is not None:  # a driver's bug: fail as for one of this thread
+                crash = self._crash
+                raise RuntimeError(f"a waiting thread's turn of the loop: {crash!r}") from crash
             if not self._take_submitted():
                 return False
             self._poll()
@@ -314,8 +329,10 @@ class Engine(FrameSink):
         a close: a driver stops at one). The last wakes this thread only where work is left
         (``_has_work``): a wake-up per operation cost as much as the operation's Python."""
         with self._turn:
+            self._aside = True
             while self._drivers and not self._closing.is_set():
                 self._turn.wait(_LANE_NAP)
+            self._aside = False
 
     def _move_lane(self, lane: Lane) -> None:
         """Publish and complete what the lane can; now and then fail what must fail."""

@@ -17,6 +17,7 @@ the call alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
@@ -43,6 +44,7 @@ __all__ = [
     "finalize",
     "fold",
     "fold_quietly",
+    "quiet_numpy",
     "reduction_refused",
 ]
 
@@ -205,6 +207,20 @@ def fold_quietly(
     try:
         fold(dtype, op, parts, out)
         finalize(dtype, op, out, world_size)
+    finally:
+        _ERRSTATE.reset(token)
+
+
+def quiet_numpy(call: Callable[[], None]) -> None:
+    """``call()`` with numpy's floating-point warnings off for it alone (a caller's thread
+    that runs the engine's loop, which reduces as the progress thread does)."""
+    if _ERRSTATE is None:
+        with np.errstate(all="ignore"):
+            call()
+        return
+    token = _ERRSTATE.set(_QUIET)
+    try:
+        call()
     finally:
         _ERRSTATE.reset(token)
 

@@ -122,10 +122,7 @@ class Engine(FrameSink):
             self._submitted.append(op)
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
-            self.transport.wakeup()
-        elif self._aside and not self._drivers:  # (a driver takes it; else the nap would)
-            with self._turn:
-                self._turn.notify()
+            self.transport.wakeup()  # (standing aside, it looks within its nap: see wake)
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
@@ -193,10 +190,16 @@ class Engine(FrameSink):
         return forks.generation() != self._generation
 
     def poke(self) -> None:
-        """``Request.test``: nothing to do, this thread moves the operation anyway."""
+        """``Request.test``: as ``wake`` (this thread moves the operation)."""
+        self.wake()
 
     def wake(self) -> None:
-        """Nobody may wait on the request: nothing to do, this thread moves it anyway."""
+        """Nobody may wait on the request (a callback, ``test``, ``wait_any``): if this thread
+        stands aside with no driver, have it look now, not after its nap. A submit does not:
+        a wait follows most, and a wake-up per operation cost as much as its Python."""
+        if self._aside and not self._drivers:
+            with self._turn:
+                self._turn.notify()
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""

@@ -12,7 +12,9 @@ end is checked here rule by rule, in milliseconds:
 - back-pressure: past the hold cap the sender holds back, and everything still completes;
 - the stall inspector names the ranks that never posted;
 - a frame for an operation that completed here is dropped and said so;
-- duplicated control frames change nothing.
+- duplicated control frames change nothing;
+- an allreduce a caller's thread started around the session (``Engine.run``) is taken over
+  where it stands, and the session says when it is quiet enough for one to start.
 """
 
 from __future__ import annotations
@@ -424,3 +426,69 @@ def test_the_frame_checks_know_exactly_the_codes_the_algorithms_define() -> None
     assert set(frame._KIND_CODES) == set(KINDS.values())
     assert set(frame._DTYPE_CODES) == {d.code for d in DTYPES.values()}
     assert set(frame._REDUCE_CODES) == {0, *REDUCTION_CODES.values()}
+
+
+# ---- around the session: a blocking small allreduce run on its caller's thread ------------
+
+
+@fast
+@given(n=RANKS, seed=SEEDS, data=st.data())
+def test_an_allreduce_started_around_the_session_is_taken_over_where_it_stands(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    """Some ranks start the algorithm themselves and send its first frames straight to the
+    wire (as ``Engine.run`` does before it gives up: a partner late, another frame first),
+    then hand it to the session with ``started=True``; the rest post it as usual. Every rank
+    completes with the right values; with a culprit that posted another count, every rank
+    fails with a MismatchError naming both, whichever way each started."""
+    from asyncreduce.protocol.operation import bytes_of
+    from asyncreduce.transport.frame import DATA, pack_header
+
+    started = data.draw(st.sets(st.integers(0, n - 1), min_size=1))
+    culprit = data.draw(st.none() | st.integers(0, n - 1))
+    wire = Wire(n, seed)
+    buffers = {}
+    for rank in data.draw(st.permutations(range(n))):
+        count = 7 if rank == culprit else 6
+        buffers[rank] = values(rank, count)
+        op = wire.make(rank, "allreduce", "x", buffers[rank])
+        state = wire.ranks[rank]
+        if rank in started:
+            for send in op.algo.start():
+                payload = bytes_of(send.payload)
+                head = pack_header(DATA, op.key[0], op.key[1], send.step, send.seg,
+                                   payload.nbytes, op.desc)  # fmt: skip
+                wire._queue(rank, send.dst, head, payload, 0, None, 0)
+        state.session.post(op, state.now, started=rank in started)
+        wire.apply(rank)
+        for _ in range(data.draw(st.integers(0, 20))):
+            wire.step()
+    wire.run()
+    for rank, state in enumerate(wire.ranks):
+        error = outcome(state.requests["x"])
+        if culprit is None:
+            assert error is None, (rank, error)
+            np.testing.assert_allclose(buffers[rank], expected(n, 6), rtol=1e-5)
+        else:
+            assert isinstance(error, ar.MismatchError), (rank, error)
+            assert "float32[6]" in str(error) and "float32[7]" in str(error), str(error)
+
+
+def test_a_session_is_quiet_only_with_nothing_in_flight_kept_due_or_broken() -> None:
+    wire = Wire(2, 3)
+    session = wire.ranks[0].session
+    key = (b"next", 0)
+    assert session.quiet(key, 0.0)
+    wire.post(0, "allreduce", "x", np.ones(4, np.float32))
+    assert not session.quiet(key, 0.0)  # an operation in flight here
+    wire.run()
+    assert not wire.ranks[1].session.quiet(key, 0.0)  # rank 0's frame waits for its post
+    wire.post(1, "allreduce", "x", np.ones(4, np.float32))
+    wire.run()
+    assert session.quiet(key, 0.0) and wire.ranks[1].session.quiet(key, 0.0)
+    assert not session.quiet(key, session.liveness.beat_every)  # a beat is due: a turn sends it
+    session.ran(key, session.matching.done[(b"x", 0)], [1], 0.5)
+    assert session.matching.done[key] and session.liveness.heard[1] == 0.5  # remembered, heard
+    wire.goodbye(1)
+    wire.run()
+    assert not session.quiet((b"later", 0), 0.5)  # rank 1 said goodbye

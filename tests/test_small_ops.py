@@ -4,10 +4,16 @@ An operation of at most ``SMALL_ALLREDUCE_BYTES`` is *small*: its events make th
 thread busy-poll for ``settings.spin`` instead of sleeping in the kernel (engine.py ``_poll``),
 and completing it hands the core to its waiter at once, or its waiter runs the engine's loop
 itself (progress in the call, ``Engine.drive``). The fallback is the sleeping path,
-``ASYNCREDUCE_SPIN_US=0``, where the progress thread alone moves everything. Every test here
-runs both, on real processes over real sockets: small operations from several threads beside
-large ones from another (over TCP, in the same queues), every value checked; a peer killed
-while the others spin; and what the spin leaves behind once it is over (no core kept busy).
+``ASYNCREDUCE_SPIN_US=0``, where the progress thread alone moves everything. A blocking one
+runs on its caller's thread when the engine is quiet (``Engine.run``), its frames straight
+through the sockets; ``ASYNCREDUCE_DIRECT=0`` leaves that to the waiter that drives the loop.
+The path tests run all three, on real processes over real sockets: small operations from
+several threads beside large ones from another (over TCP, in the same queues), every value
+checked; a peer killed while the others spin; and what the spin leaves behind once it is
+over (no core kept busy). The direct run is tested for exact, bitwise-equal results at 2-4
+ranks (a power of two or not), beside a rank that never runs one, with a rank that
+disagrees, for long enough that beats must flow, and from threads posting in different
+orders.
 Waiters that drive the loop are tested on their own too: they complete their operations, a
 bug in their turn breaks every rank, a close while they drive fails them. The sans-IO side
 (which events start a spin) is tested in one process.
@@ -16,6 +22,7 @@ bug in their turn breaks every rank, a close while they drive fails them. The sa
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import signal
 import threading
@@ -34,7 +41,11 @@ from spmd import in_threads, run_ranks
 from wire import Wire
 
 TCP = {"ASYNCREDUCE_SHM": "0", "ASYNCREDUCE_CMA": "0"}  # bulk and small frames share a queue
-PATHS = {"spin": TCP, "fallback": {**TCP, "ASYNCREDUCE_SPIN_US": "0"}}
+PATHS = {
+    "direct": TCP,  # a blocking one runs on its caller's thread where the engine is quiet
+    "drive": {**TCP, "ASYNCREDUCE_DIRECT": "0"},  # its waiter drives the engine's loop
+    "fallback": {**TCP, "ASYNCREDUCE_SPIN_US": "0"},  # the progress thread alone, sleeping
+}
 BULK_FLOATS = 4 << 20  # 16 MiB: a ring allreduce over TCP, well above the small limit
 THREADS, PER_THREAD = 4, 40
 BULK_OPS = 16
@@ -87,6 +98,7 @@ def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
     return {
         "spin": _spin_of(comm),
         "driven": _engine(comm).driven,
+        "direct": _engine(comm).direct,
         "small": sorted(small_took),
         "bulk": sorted(t - start for t in bulk_done),
     }
@@ -96,10 +108,12 @@ def body_small_beside_large(comm: ar.Communicator) -> dict[str, Any]:
 def test_small_operations_from_threads_complete_beside_large_ones(path: str) -> None:
     results = run_ranks(3, body_small_beside_large, env=PATHS[path], timeout=120)
     for rank, got in results.items():
-        assert (got["spin"] > 0) == (path == "spin"), f"rank {rank}: spin {got['spin']}"
+        assert (got["spin"] > 0) == (path != "fallback"), f"rank {rank}: spin {got['spin']}"
         # where it spins, waiters drive the loop (some, not all: one drives at a time, and the
-        # progress thread finishes what completes while it holds the loop); else none does
-        assert (got["driven"] > 0) == (path == "spin"), f"rank {rank}: {got['driven']} driven"
+        # progress thread finishes what completes while it holds the loop); else none does.
+        # (With the bulk in flight the engine is never quiet: no small one runs direct.)
+        assert (got["driven"] > 0) == (path != "fallback"), f"rank {rank}: {got['driven']}"
+        assert got["direct"] == 0 or path == "direct", f"rank {rank}: {got['direct']} direct"
         assert len(got["small"]) == THREADS * PER_THREAD and len(got["bulk"]) == BULK_OPS
         # small operations cut in: queued behind the bulk, each would take a bulk operation
         median_small = got["small"][len(got["small"]) // 2]
@@ -131,7 +145,7 @@ def body_peer_dies_mid_spin(comm: ar.Communicator) -> dict[str, Any]:
     with pytest.raises(ar.BrokenError):
         comm.allreduce(x)  # broken for good, at once
     return {"spin": _spin_of(comm), "completed": completed, "noticed": noticed,
-            "message": message, "idle_cpu": cpu}  # fmt: skip
+            "message": message, "idle_cpu": cpu, "direct": _engine(comm).direct}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -140,7 +154,8 @@ def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: st
                         timeout=90)  # fmt: skip
     assert set(results) == {0, 1}
     for rank, got in results.items():
-        assert (got["spin"] > 0) == (path == "spin")
+        assert (got["spin"] > 0) == (path != "fallback")
+        assert (got["direct"] > 0) == (path == "direct"), f"rank {rank}: {got['direct']} direct"
         assert got["completed"] >= 10, f"rank {rank}: died before the run began ({got})"
         assert "rank 2" in got["message"], got["message"]
         assert got["noticed"] < 10, f"rank {rank}: the loss took {got['noticed']:.1f} s"
@@ -152,15 +167,15 @@ def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: st
 
 
 def body_waiters_drive(comm: ar.Communicator) -> dict[str, Any]:
-    """Blocking small allreduces back to back, over TCP, one thread: returns how many of them
-    the waiter completed driving the loop, and whether every value was right. (A waiter drives
-    for 50 ms past the last event here, not 2: a rank that lost its core for a scheduler
-    slice must not make the count flaky.)"""
+    """Small allreduces posted and waited for back to back, over TCP, one thread: returns how
+    many of them the waiter completed driving the loop, and whether every value was right. (A
+    waiter drives for 50 ms past the last event here, not 2: a rank that lost its core for a
+    scheduler slice must not make the count flaky.)"""
     engine_module._DRIVE_SPIN = 0.05
     exact = True
     for i in range(200):
         x = np.full(256, float(comm.rank + i), np.float32)
-        comm.allreduce(x)
+        comm.iallreduce(x).wait()
         exact &= bool(np.all(x == sum(r + i for r in range(comm.world_size))))
     return {"driven": _engine(comm).driven, "exact": exact}
 
@@ -176,32 +191,45 @@ def test_a_waiter_drives_the_loop_and_completes_its_own_operation() -> None:
 
 def body_overflow_on_a_waiter_that_raises(comm: ar.Communicator) -> dict[str, Any]:
     """The caller asks numpy to raise on overflow; its small allreduces overflow float32, and
-    it drives the loop, which reduces on its thread. Returns whether each ended at inf."""
+    they are reduced on its thread: waited for (it drives the loop), then blocking (it runs
+    them directly; a waiter that drives reads the peer's next frame early, so the first of
+    these may not). Returns whether each ended at inf."""
     engine_module._DRIVE_SPIN = 0.05
     old = np.seterr(all="raise")
     try:
         ends = []
-        for _ in range(20):
+        for i in range(40):
             x = np.full(16, 3e38, np.float32)
-            comm.allreduce(x)
+            comm.allreduce(x) if i >= 20 else comm.iallreduce(x).wait()
             ends.append(bool(np.all(np.isinf(x))))
     finally:
         np.seterr(**old)
-    return {"ends": ends, "driven": _engine(comm).driven}
+    return {"ends": ends, "driven": _engine(comm).driven, "direct": _engine(comm).direct}
 
 
 def test_overflow_on_a_driving_waiter_is_the_data_not_a_crash() -> None:
     for rank, got in run_ranks(2, body_overflow_on_a_waiter_that_raises, env=TCP).items():
-        assert got["ends"] == [True] * 20, f"rank {rank}: {got['ends']}"
+        assert got["ends"] == [True] * 40, f"rank {rank}: {got['ends']}"
         assert got["driven"] > 0, f"rank {rank}: no waiter drove the loop"
+        assert got["direct"] > 0, f"rank {rank}: no allreduce ran directly"
 
 
-def body_driver_bug(comm: ar.Communicator) -> dict[str, Any]:
+def body_driver_bug(comm: ar.Communicator, how: str) -> dict[str, Any]:
     """On rank 1, a frame that a waiter's turn takes in raises (a bug in the loop, on the
-    waiter's thread); every rank returns the error its allreduce ended with."""
+    waiter's thread: ``how`` "wait", as it drives the loop; "direct", as it runs a blocking
+    allreduce itself); every rank returns the error its allreduce ended with."""
     engine = _engine(comm)
     comm.barrier()
-    if comm.rank == 1:
+    if comm.rank == 1 and how == "direct":
+        take_frame = engine.transport.take_frame
+
+        def buggy_take(*args: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                raise RuntimeError("a bug in the loop, on the waiter's thread")
+            return take_frame(*args)
+
+        engine.transport.take_frame = buggy_take  # type: ignore[method-assign]
+    elif comm.rank == 1:
         session = engine.session
 
         def buggy(real: Any) -> Any:
@@ -218,16 +246,21 @@ def body_driver_bug(comm: ar.Communicator) -> dict[str, Any]:
     began = time.monotonic()
     try:
         for _ in range(1000):
-            comm.allreduce(np.ones(16, np.float32))
+            x = np.ones(16, np.float32)
+            comm.allreduce(x) if how == "direct" else comm.iallreduce(x).wait()
     except ar.BrokenError as exc:
         return {"error": str(exc), "took": time.monotonic() - began, "driven": engine.driven}
     return {"error": None, "took": time.monotonic() - began, "driven": engine.driven}
 
 
-def test_a_bug_in_a_waiters_turn_breaks_the_communicator_on_every_rank() -> None:
-    results = run_ranks(3, body_driver_bug, env=TCP, timeout=90)
-    assert results[1]["error"] is not None and "progress thread crashed" in results[1]["error"]
-    assert "a bug in the loop" in results[1]["error"], results[1]["error"]
+@pytest.mark.parametrize("how", ["wait", "direct"])
+def test_a_bug_in_a_waiters_turn_breaks_the_communicator_on_every_rank(how: str) -> None:
+    results = run_ranks(3, body_driver_bug, how, env=TCP, timeout=90)
+    error = results[1]["error"]
+    assert error is not None and "a bug in the loop" in error, error
+    # waiting, the bug is raised on the progress thread; running directly, it fails the
+    # operation on the caller's thread at once, and the progress thread breaks the rest
+    assert ("progress thread crashed" if how == "wait" else "rank 1:") in error, error
     for rank, got in results.items():
         assert got["error"] is not None, f"rank {rank} ran 1000 allreduces past the bug"
         assert got["took"] < 30, f"rank {rank} took {got['took']:.1f} s to hear of it"
@@ -271,6 +304,134 @@ def test_a_close_while_waiters_drive_fails_them_and_returns() -> None:
     assert got["alive"] == 0, got
     assert got["ended"] == ["closed"] * 3, got
     assert got["took"] < 5, got
+
+
+# ---- a blocking small allreduce run on its caller's thread: Engine.run ---------------------
+
+
+CASES = [(np.float32, "sum"), (np.int64, "max"), (np.float64, "avg"), (np.int32, "prod")]
+
+
+def body_direct(comm: ar.Communicator) -> dict[str, Any]:
+    """Blocking small allreduces back to back over TCP, every size class, four dtype and
+    reduction pairs, unnamed and named; returns whether every value was exact, a digest of
+    every result (the ranks must agree bitwise), and how many ran directly."""
+    exact, digest = True, hashlib.sha256()
+    for i in range(240):
+        dtype, op = CASES[i % len(CASES)]
+        count = _small_size(i)
+        x = (np.arange(count) % 7 + comm.rank + i % 3).astype(dtype)
+        parts = [(np.arange(count) % 7 + r + i % 3).astype(dtype) for r in range(comm.world_size)]
+        want = {"sum": sum, "max": lambda p: np.max(p, axis=0), "prod": lambda p: np.prod(p, 0),
+                "avg": lambda p: sum(p) / len(p)}[op](parts)  # fmt: skip
+        comm.allreduce(x, op=op, name=None if i % 2 else "named")
+        exact &= bool(np.allclose(x, want, rtol=1e-12 if dtype == np.float64 else 1e-6))
+        digest.update(x.tobytes())
+    return {"exact": exact, "digest": digest.hexdigest(), "direct": _engine(comm).direct}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_blocking_small_allreduces_run_on_the_callers_thread_and_agree_bitwise(n: int) -> None:
+    results = run_ranks(n, body_direct, env=TCP, timeout=120)
+    assert len({got["digest"] for got in results.values()}) == 1, "the ranks differ"
+    for rank, got in results.items():
+        assert got["exact"], f"rank {rank}: wrong values"
+        # most run directly (a beat due, or a peer's frame read early by a turn of the
+        # loop, hands a few to the engine, which completes them as any other)
+        assert got["direct"] >= 120, f"rank {rank}: only {got['direct']} of 240 ran directly"
+
+
+def test_a_rank_that_never_runs_them_directly_agrees_with_those_that_do() -> None:
+    """The frames of a direct run are the engine's own: a rank with ASYNCREDUCE_DIRECT=0 (its
+    waiter drives the loop) runs with ranks that run them directly."""
+    results = run_ranks(3, body_direct, env=TCP, rank_env={1: {"ASYNCREDUCE_DIRECT": "0"}},
+                        timeout=120)  # fmt: skip
+    assert len({got["digest"] for got in results.values()}) == 1, "the ranks differ"
+    assert all(got["exact"] for got in results.values())
+    assert results[1]["direct"] == 0
+    assert results[0]["direct"] > 0 and results[2]["direct"] > 0
+
+
+def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:
+    """Blocking 1 KiB allreduces back to back; at the 50th, rank 2 posts 257 floats instead
+    of 256. Returns how many completed, and the error the 50th ended with."""
+    completed = 0
+    try:
+        for i in range(100):
+            count = 257 if (comm.rank == 2 and i == 50) else 256
+            comm.allreduce(np.ones(count, np.float32))
+            completed += 1
+    except ar.MismatchError as exc:
+        return {"completed": completed, "error": str(exc), "direct": _engine(comm).direct}
+    return {"completed": completed, "error": None, "direct": _engine(comm).direct}
+
+
+def test_a_rank_that_posts_another_size_fails_every_rank_with_a_mismatch() -> None:
+    """A partner's frame that differs is not taken around the engine: the engine reads it
+    and fails the operation on every rank, naming both sides, as for any other operation."""
+    results = run_ranks(3, body_direct_mismatch, env=TCP, timeout=60)
+    for rank, got in results.items():
+        assert got["completed"] == 50, f"rank {rank}: {got}"
+        assert got["error"] is not None and "float32[256]" in got["error"], got["error"]
+        assert "float32[257]" in got["error"], got["error"]
+        assert got["direct"] >= 25, f"rank {rank}: {got['direct']} direct"
+
+
+def body_direct_for_a_while(comm: ar.Communicator) -> dict[str, Any]:
+    """Blocking 4-float allreduces back to back for 1.5 s by rank 0's clock (it says stop in
+    the data, so every rank stops at the same one), with a peer timeout of 0.3 s (a beat due
+    every 20 ms): returns how many ran, how many directly, and any error."""
+    engine = _engine(comm)
+    comm.barrier()
+    ran, end = 0, time.monotonic() + 1.5
+    x = np.zeros(4, np.float32)
+    try:
+        while not x[1]:
+            x[:] = (1, comm.rank == 0 and time.monotonic() > end, 0, 0)
+            comm.allreduce(x)
+            assert x[0] == comm.world_size
+            ran += 1
+        comm.barrier()
+    except ar.BrokenError as exc:
+        return {"ran": ran, "direct": engine.direct, "error": str(exc)}
+    return {"ran": ran, "direct": engine.direct, "error": None}
+
+
+def test_ranks_that_run_them_directly_for_long_still_hear_each_other() -> None:
+    """A direct run reads only its own frames and sends no beat: the ranks must still count
+    as alive (each frame taken is heard from its rank; a beat due hands that operation to
+    the engine, whose turn sends it), well past the peer timeout."""
+    env = {**TCP, "ASYNCREDUCE_PEER_TIMEOUT": "0.3"}
+    results = run_ranks(3, body_direct_for_a_while, env=env, timeout=60)
+    for rank, got in results.items():
+        assert got["error"] is None, f"rank {rank}: {got['error']}"
+        assert got["direct"] > got["ran"] // 2, f"rank {rank}: {got}"
+        assert got["direct"] < got["ran"], f"rank {rank}: no beat ever handed one over"
+
+
+def body_threads_in_orders_of_their_own(comm: ar.Communicator) -> dict[str, Any]:
+    """Three threads run blocking small named allreduces, each rank starting its threads in
+    another order (so the ranks post in different orders); returns whether every value was
+    right and how many ran directly."""
+    exact: list[bool] = []
+
+    def run(t: int) -> None:
+        for j in range(60):
+            x = np.full(_small_size(j), float(comm.rank + t + j), np.float32)
+            comm.allreduce(x, name=f"thread{t}")
+            exact.append(bool(np.all(x == sum(r + t + j for r in range(comm.world_size)))))
+
+    order = [(t + comm.rank) % 3 for t in range(3)]
+    in_threads(*(functools.partial(run, t) for t in order))
+    return {"exact": all(exact) and len(exact) == 180, "direct": _engine(comm).direct}
+
+
+def test_blocking_small_allreduces_from_threads_in_different_orders_all_complete() -> None:
+    """A thread that runs one directly gives way at once to another thread's post or wait
+    (it is taken over where it stands), so named ones posted in different orders on
+    different ranks complete, each with its own values."""
+    for rank, got in run_ranks(3, body_threads_in_orders_of_their_own, env=TCP).items():
+        assert got["exact"], f"rank {rank}: wrong values or missing operations"
 
 
 # ---- sans-IO: which events start a spin -----------------------------------------------------

@@ -363,3 +363,73 @@ def test_the_kernel_holds_only_a_little_of_a_connections_unsent_frames(
     assert lowat("0") == 0  # not set: the kernel's default (net.ipv4.tcp_notsent_lowat)
     with pytest.raises(UsageError, match="ASYNCREDUCE_NOTSENT_KIB='lots'"):
         lowat("lots")
+
+
+# ---- around the queue and the reader: what a thread that runs an operation itself uses ------
+
+
+def tcp_pair() -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
+    """Two transports over a real loopback TCP connection (as the mesh makes them)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for sock in (a, b):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sa, sb = Sink(), Sink()
+    return TcpTransport(0, {1: a}, sa), sa, TcpTransport(1, {0: b}, sb), sb
+
+
+def take_when_here(t: TcpTransport, head: bytes, size: int) -> memoryview | None:
+    """``take_frame`` until it answers other than "not all here yet" (at most 5 s)."""
+    deadline = time.monotonic() + 5
+    while (got := t.take_frame(0, head, size)) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return got
+
+
+def test_take_frame_takes_exactly_the_frame_it_expects_and_leaves_anything_else() -> None:
+    from asyncreduce.transport.base import ELSEWHERE
+
+    ta, sa, tb, sb = tcp_pair()
+    payload = os.urandom(4096)
+    head, body = frame(b"op", payload, step=1)
+    assert tb.quiet(0, len(payload)) and ta.quiet(1, len(payload))
+    assert tb.take_frame(0, head, len(payload)) is None  # nothing there yet
+    # only part of it: not yet, and nothing is taken
+    ta._peers[1].sock.sendall(head + payload[:1000])
+    time.sleep(0.05)
+    assert tb.take_frame(0, head, len(payload)) is None
+    ta._peers[1].sock.sendall(payload[1000:])
+    got = take_when_here(tb, head, len(payload))
+    assert got is not None and got is not ELSEWHERE and bytes(got) == payload
+    # another frame first (another step of the same operation): left for poll to read
+    other_head, other_body = frame(b"op", payload, step=2)
+    ta.send(1, other_head, other_body, 0, "other")
+    assert take_when_here(tb, head, len(payload)) is ELSEWHERE
+    pump(ta, tb, until=lambda: len(sb.frames) == 1)
+    assert sb.frames[0][1].step == 2 and sb.frames[0][2] == payload and not sb.lost
+    # a frame of the expected header but another size is another frame too
+    ta.send(1, *frame(b"op", payload[:-4], step=1), 0, "short")
+    assert take_when_here(tb, head, len(payload)) is ELSEWHERE
+    pump(ta, tb, until=lambda: len(sb.frames) == 2)
+    assert sb.frames[1][2] == payload[:-4]
+    # the peer's end: something for poll to read (and report) too
+    ta.close()
+    assert take_when_here(tb, head, len(payload)) is ELSEWHERE
+    pump(tb, until=lambda: bool(sb.lost))
+    tb.close()
+
+
+def test_a_connection_is_quiet_only_with_nothing_queued_or_half_read() -> None:
+    ta, sa, tb, sb = tcp_pair()
+    ta.send(1, *frame(b"big", bytes(32 << 20)), 0, "big")  # far more than the socket holds
+    assert not ta.quiet(1, 64)  # frames of it wait to leave
+    deadline = time.monotonic() + 10
+    while not tb._peers[0].reader.payload and time.monotonic() < deadline:
+        tb.poll(0.001)  # its header, then part of its payload
+    assert not tb.quiet(0, 64)  # a frame half read
+    pump(ta, tb, until=lambda: len(sb.frames) == 1)
+    assert ta.quiet(1, 64) and tb.quiet(0, 64)
+    assert not tb.quiet(5, 64)  # no such peer
+    ta.close()
+    tb.close()

@@ -109,14 +109,15 @@ class Communicator(BlockingCalls):
         self, x: Any, op: str = "sum", *, name: str | None = None, priority: int = 0,
         timeout: float | None = None, inplace: bool = True,
     ) -> Any:  # fmt: skip
-        """``iallreduce(...).wait()``. Where the same-host lane is open, an unnamed one runs
-        on this thread while the lane has nothing else to do (``Lane.run``): no request, no
-        hand-off to another thread; it is the call most small operations make."""
+        """``iallreduce(...).wait()``. A small one runs on this thread while nothing else
+        needs to move (``Lane.run`` where the same-host lane takes it, else ``Engine.run``
+        over the sockets): no request, no hand-off to another thread; it is the call most
+        small operations make."""
         here = self._backend
         plan = self._allreduce_plan(x, op, inplace)
-        if name is not None or not isinstance(here, NativeBackend) or here.lane is None:
+        if not isinstance(here, NativeBackend):
             return self._submit(plan, name, priority, timeout).wait()
-        key, label = self._numbered(plan, None, priority, timeout)
+        key, label = self._numbered(plan, name, priority, timeout)
         made = here.run(plan, key, label, priority, timeout, self._runner)
         return plan.result() if made is None else made.wait()
 

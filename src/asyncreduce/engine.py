@@ -36,19 +36,19 @@ from typing import Any
 import numpy as np
 
 from . import forks
-from .algorithms import SMALL_ALLREDUCE_BYTES
+from .algorithms import SMALL_ALLREDUCE_BYTES, RecursiveDoubling
 from .algorithms.reduction import quiet_numpy
 from .errors import BrokenError, ClosedError, UsageError
 from .flight import FlightRecorder
 from .lane import Lane, LaneOp
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
 from .protocol.failure import broken_by, closed_under
-from .protocol.operation import Operation, Settings
+from .protocol.operation import Operation, Settings, bytes_of
 from .protocol.session import Session
-from .protocol.wire import describe, payload_bytes
+from .protocol.wire import Key, describe, payload_bytes
 from .request import Request
-from .transport.base import FrameSink, Transport
-from .transport.frame import MAX_ERROR_BYTES, Header
+from .transport.base import ELSEWHERE, FrameSink, Transport
+from .transport.frame import DATA, MAX_ERROR_BYTES, Descriptor, Header, pack_header
 
 __all__ = ["THREAD_PREFIX", "Engine"]
 
@@ -97,6 +97,7 @@ class Engine(FrameSink):
         self._driving = False  # a waiter holds the loop (its completions wake nobody)
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
+        self.direct = 0  # operations run to the end on their caller's thread (run)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
@@ -152,30 +153,77 @@ class Engine(FrameSink):
         cannot have it soon (another drives, a long unit of work) waits as before."""
         if self._closing.is_set() or self._crash is not None or self._forked():
             return
-        me = threading.get_ident()
-        if self._holder == me:  # a signal handler that interrupted this thread's turn
-            raise UsageError(
-                f"{request.label}: waited on from code that interrupted this thread while it "
-                "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
-            )
+        self._refuse_reentry(request.label)
         spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
         try:
-            self._drivers.add(me)
-            with self._lock:  # (see _poll: it sleeps only where it saw no driver)
-                sleeping = self._sleeping
-            if sleeping:
-                self.transport.wakeup()
-            if self._take_owner(request, time.monotonic() + spin):
-                self._holder, self._driving = me, True
+            if self._ask_for_loop(request, time.monotonic() + spin):
                 quiet_numpy(lambda: self._drive(request, spin, timeout))
         finally:
-            if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
-                self._holder, self._driving = 0, False
-                self._owner.release()
-            self._drivers.discard(me)
-            if not self._drivers and self._has_work():
-                with self._turn:
-                    self._turn.notify()  # (else it looks again within its nap: _stand_aside)
+            self._give_back_loop()
+
+    def run(
+        self, key: Key, label: str, desc: Descriptor, algo: RecursiveDoubling, priority: int,
+        timeout: float | None, adopt: Callable[[], Operation],
+    ) -> Request[Any] | None:  # fmt: skip
+        """A small allreduce whose caller waits for it at once, run on the caller's thread
+        to the end where the engine has nothing else to do (progress in the call, all of it):
+        each frame straight into its socket and each peer's straight out of the stream into
+        the fold; no request, no session event, nobody woken. None: done, the result is in
+        place. Anything else makes it an ordinary operation, ``adopt()``, whose request is
+        returned to wait on: work in the engine (it is posted behind it, as any other), a
+        partner's stream that holds something else first (another operation's frame, a beat,
+        a goodbye, a frame that disagrees: the loop reads and judges it; this one is taken over
+        where it stands), a partner not there within ``_DRIVE_SPIN`` (the loop watches it from
+        then on, its deadline counted from here), a close, another post."""
+        settings = self.settings
+        if not (settings.direct and settings.spin) or self._closing.is_set() or (
+            self._crash is not None or self._forked()
+        ):
+            return self._posted(adopt())
+        posted = time.monotonic()
+        end = posted + (_DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout))
+        self._refuse_reentry(label)
+        try:
+            if self._ask_for_loop(None, end):
+                return self._run_held(key, desc, algo, priority, posted, end, adopt)
+        finally:
+            self._give_back_loop()
+        return self._posted(adopt())
+
+    def _posted(self, op: Operation) -> Request[Any]:
+        self.submit(op)
+        return op.request
+
+    def _refuse_reentry(self, label: str) -> None:
+        if self._holder == threading.get_ident():  # a signal handler that interrupted a turn
+            raise UsageError(
+                f"{label}: waited on from code that interrupted this thread while it "
+                "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
+            )
+
+    def _ask_for_loop(self, request: Request[Any] | None, end: float) -> bool:
+        """Count this thread among the drivers, wake the engine thread if it sleeps (it
+        stands aside after its turn), and take the loop; False if that did not happen by
+        ``end`` or ``request`` completed first. ``_give_back_loop`` after, in any case."""
+        me = threading.get_ident()
+        self._drivers.add(me)
+        with self._lock:  # (see _poll: it sleeps only where it saw no driver)
+            sleeping = self._sleeping
+        if sleeping:
+            self.transport.wakeup()
+        if not self._take_owner(request, end):
+            return False
+        self._holder, self._driving = me, True
+        return True
+
+    def _give_back_loop(self) -> None:
+        if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
+            self._holder, self._driving = 0, False
+            self._owner.release()
+        self._drivers.discard(threading.get_ident())
+        if not self._drivers and self._has_work():
+            with self._turn:
+                self._turn.notify()  # (else it looks again within its nap: _stand_aside)
 
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
@@ -237,12 +285,13 @@ class Engine(FrameSink):
 
     # ---- a waiting thread, holding the loop ----------------------------------------------
 
-    def _take_owner(self, request: Request[Any], end: float) -> bool:
+    def _take_owner(self, request: Request[Any] | None, end: float) -> bool:
         """Take the loop once this thread stands aside, unless ``request`` is done first, or
         ``end`` comes; False then."""
         owner = self._owner
         while not owner.acquire(blocking=False):
-            if request.done() or self._closing.is_set() or time.monotonic() >= end:
+            done = request is not None and request.done()
+            if done or self._closing.is_set() or time.monotonic() >= end:
                 return False
             os.sched_yield()  # (this thread finishes its turn the sooner)
         return True
@@ -274,6 +323,70 @@ class Engine(FrameSink):
             if now >= end:
                 return
             os.sched_yield()
+
+    def _run_held(
+        self, key: Key, desc: Descriptor, algo: RecursiveDoubling, priority: int, posted: float,
+        end: float, adopt: Callable[[], Operation],
+    ) -> Request[Any] | None:  # fmt: skip
+        """``run``, holding the loop."""
+        transport, session = self.transport, self.session
+        size = algo.buffer.nbytes
+        if self._submitted or not session.quiet(key, posted) or not all(
+            transport.quiet(peer, size) for peer in algo.partners
+        ):
+            return self._posted(adopt())  # (the loop takes it, behind what is there)
+        heard: list[int] = []
+        try:
+            done = quiet_numpy(lambda: self._exchange(key, desc, algo, priority, end, heard))
+        except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
+            self._crash = exc
+            if not isinstance(exc, Exception):
+                raise
+            op = adopt()
+            op.request.set_exception(BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
+            return op.request
+        if not done:
+            return self._taken_over(adopt(), posted)
+        session.ran(key, desc, heard, time.monotonic())
+        self.direct += 1
+        return None
+
+    def _exchange(
+        self, key: Key, desc: Descriptor, algo: RecursiveDoubling, priority: int, end: float,
+        heard: list[int],
+    ) -> bool:  # fmt: skip
+        """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
+        done (True), or until something else must happen first (False): another thread's
+        post, wait or close, a stream that holds something else, ``end``."""
+        transport, name, instance, size = self.transport, key[0], key[1], algo.buffer.nbytes
+        sends = algo.start()
+        while True:
+            for s in sends:
+                payload = bytes_of(s.payload)
+                head = pack_header(DATA, name, instance, s.step, s.seg, payload.nbytes, desc)
+                transport.send(s.dst, head, payload, priority, None)
+            awaited = algo.awaited
+            if awaited is None:
+                return True
+            peer, step = awaited
+            head = pack_header(DATA, name, instance, step, 0, size, desc)
+            while (view := transport.take_frame(peer, head, size)) is None:
+                if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
+                    return False  # (another thread's operation, or its wait, must move too)
+                os.sched_yield()
+            if view is ELSEWHERE:
+                return False
+            heard.append(peer)
+            sends = algo.on_view(peer, step, 0, view)
+
+    def _taken_over(self, op: Operation, posted: float) -> Request[Any]:
+        """A direct run the loop takes over where it stands (its frames so far are the
+        transport's, snapshots of the buffer; its deadline counts from ``posted``)."""
+        op.posted_at = time.time()
+        op.request.mover = self
+        self.session.post(op, posted, started=True)
+        self._apply()
+        return op.request
 
     # ---- the engine thread ---------------------------------------------------------------------
 

@@ -54,6 +54,20 @@ class RecursiveDoubling(Collective):
         waiting = self._sources.items()
         return {src for step, src in waiting if step >= self._step and step not in self._early}
 
+    @property
+    def awaited(self) -> tuple[int, int] | None:
+        """(the rank, the step) of the message this rank needs next; None once done. A
+        caller that moves the messages itself (``Engine.run``) reads which one to take."""
+        if self.done:
+            return None
+        step = self._last_step if self._sits_out else self._step
+        return self._sources[step], step
+
+    @property
+    def partners(self) -> frozenset[int]:
+        """Every rank this one exchanges messages with (it receives from each what it sends)."""
+        return frozenset(self._sources.values())
+
     def start(self) -> list[Send]:
         if self.world_size == 1:
             return []

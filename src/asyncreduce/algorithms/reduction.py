@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,6 +32,8 @@ try:  # numpy 2: errstate is this context variable; setting it directly costs a 
     _QUIET: Any = _umath._make_extobj(all="ignore")
 except (ImportError, AttributeError):  # numpy 1: np.errstate
     _ERRSTATE = None
+
+Result = TypeVar("Result")
 
 __all__ = [
     "DType",
@@ -211,16 +213,15 @@ def fold_quietly(
         _ERRSTATE.reset(token)
 
 
-def quiet_numpy(call: Callable[[], None]) -> None:
+def quiet_numpy(call: Callable[[], Result]) -> Result:
     """``call()`` with numpy's floating-point warnings off for it alone (a caller's thread
     that runs the engine's loop, which reduces as the progress thread does)."""
     if _ERRSTATE is None:
         with np.errstate(all="ignore"):
-            call()
-        return
+            return call()
     token = _ERRSTATE.set(_QUIET)
     try:
-        call()
+        return call()
     finally:
         _ERRSTATE.reset(token)
 

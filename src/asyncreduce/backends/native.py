@@ -16,7 +16,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..algorithms import Collective, Translated, build
+from ..algorithms import Collective, RecursiveDoubling, Translated, build
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -72,33 +72,49 @@ class NativeBackend(EngineBackend):
         request: Request[Any],
     ) -> None:  # fmt: skip
         lane = self.lane
-        if lane is not None and not key[0]:  # unnamed: every one takes a slot of the lane
-            if Lane.takes(plan.kind, plan.buf, key):
-                desc, _ = self._described(plan, label)
-                lane.post(self._lane_op(plan, key, label, timeout, desc), request)
-                return
-            algo, desc = built(plan, self.rank, self.world_size, self.planes)
-            lane.note(key[1], desc)
-        else:
-            algo, desc = built(plan, self.rank, self.world_size, self.planes)
-        engine = self.engine
+        if lane is not None and Lane.takes(plan.kind, plan.buf, key):
+            desc, _ = self._described(plan, label)
+            lane.post(self._lane_op(plan, key, label, timeout, desc), request)
+            return
+        algo, desc = self._built(plan, key, label)
+        self.engine.submit(
+            Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+        )
+
+    def _built(self, plan: Plan, key: Key, label: str) -> tuple[Collective, Descriptor]:
+        """``plan``'s algorithm as the engine runs it (a group's renumbered), its descriptor,
+        logged; where the lane is open, an unnamed one it does not take is noted in its slot
+        (every unnamed operation takes one)."""
+        algo, desc = built(plan, self.rank, self.world_size, self.planes)
+        if self.lane is not None and not key[0]:
+            self.lane.note(key[1], desc)
         if self._translated:
+            engine = self.engine
             algo = Translated(algo, self.members, engine.rank, engine.world_size)
         log_post(self.rank, label, desc)
-        engine.submit(Operation(key, label, desc, algo, request, plan.result, priority, timeout))
+        return algo, desc
 
     def run(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
         """``submit`` for a caller that waits for the operation at once: one the lane takes
-        runs on the caller's thread where it can (``Lane.run``; None: done, its result is in
-        place); any other gets a request (``runner`` runs its callbacks), returned."""
+        runs on the caller's thread where it can (``Lane.run``), and so does a small
+        allreduce the engine takes, over the sockets (``Engine.run``); None: done, its result
+        is in place. Any other gets a request (``runner`` runs its callbacks), returned."""
         lane = self.lane
         if lane is None or not Lane.takes(plan.kind, plan.buf, key):
-            request: Request[Any] = Request(label, runner)
-            self.submit(plan, key, label, priority, timeout, request)
-            return request
+            algo, desc = self._built(plan, key, label)
+
+            def made() -> Operation:
+                request: Request[Any] = Request(label, runner)
+                return Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+
+            if plan.kind == "allreduce" and isinstance(algo, RecursiveDoubling):
+                return self.engine.run(key, label, desc, algo, priority, timeout, made)
+            op = made()
+            self.engine.submit(op)
+            return op.request
         desc, head = self._described(plan, label)
         posted = time.monotonic() if timeout is not None else 0.0
 

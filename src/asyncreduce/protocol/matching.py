@@ -55,7 +55,11 @@ class Matching:
     def completed(self, op: Operation) -> None:
         """``op`` completed: forget it, remember its descriptor (bounded)."""
         del self.ops[op.key]
-        self.done[op.key] = op.desc
+        self.remember_done(op.key, op.desc)
+
+    def remember_done(self, key: Key, desc: Descriptor) -> None:
+        """``key`` completed (here, or around the session: ``Session.ran``); bounded."""
+        self.done[key] = desc
         while len(self.done) > FORGET_AFTER:
             self.done.popitem(last=False)
 

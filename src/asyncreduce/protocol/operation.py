@@ -59,11 +59,13 @@ class Settings:
     flight_records: int = 1000  # operations the flight recorder keeps
     flight_dir: str | None = None  # where the flight record is written when the engine breaks
     spin: float = 250e-6  # busy-poll this long after a small operation's last event (0: never)
+    direct: bool = True  # a blocking small allreduce may run on its caller's thread (Engine.run)
 
     @classmethod
     def from_env(cls) -> Settings:
         """Read ASYNCREDUCE_PEER_TIMEOUT, _STALL_WARNING, _HELD_BYTES, _FLIGHT_RECORDS,
-        _FLIGHT_DIR and _SPIN_US; a value that is not a number is an error naming the variable."""
+        _FLIGHT_DIR, _SPIN_US and _DIRECT (0: off); a value that is not a number is an error
+        naming the variable."""
         return cls(
             peer_timeout=env_number("ASYNCREDUCE_PEER_TIMEOUT", cls.peer_timeout, float, 0.05),
             stall_warning=env_number("ASYNCREDUCE_STALL_WARNING", cls.stall_warning, float, 0),
@@ -71,6 +73,7 @@ class Settings:
             flight_records=env_number("ASYNCREDUCE_FLIGHT_RECORDS", cls.flight_records, int, 1),
             flight_dir=os.environ.get("ASYNCREDUCE_FLIGHT_DIR") or None,
             spin=env_number("ASYNCREDUCE_SPIN_US", cls.spin * 1e6, float, 0) / 1e6,
+            direct=os.environ.get("ASYNCREDUCE_DIRECT", "1") != "0",
         )
 
 

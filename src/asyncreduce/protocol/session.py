@@ -85,14 +85,38 @@ class Session:
         gone = list(self.liveness.departed.values()) if goodbyes else []  # one call: safe
         return BrokenError(f"{label}: {gone[0]}") if gone else None
 
+    def quiet(self, key: Key, now: float) -> bool:
+        """Whether operation ``key`` may run around the session, on the caller's thread, its
+        frames straight through the sockets (``Engine.run``): nothing is in flight here, no
+        frame waits for an operation, no rank holds back or is held back, none said goodbye,
+        nothing is broken, and no beat is due (a turn of the loop sends it)."""
+        matching, liveness, flow = self.matching, self.liveness, self.flow
+        return not (
+            matching.ops or matching.unexpected or self.working or self._landing
+            or self.commands or self.broken is not None or self.stopping or liveness.departed
+            or flow.told or flow.holding_back or key in matching.failed
+            or now - liveness.last_beat >= liveness.beat_every
+        )  # fmt: skip
+
+    def ran(self, key: Key, desc: Descriptor, heard_from: Iterable[int], now: float) -> None:
+        """Operation ``key`` ran around the session (``Engine.run``), with a frame from each
+        of ``heard_from``: those ranks are alive, and ``key`` is remembered as done, so a frame
+        that still came for it would be judged as for any other operation that ended."""
+        heard = self.liveness.heard
+        for peer in heard_from:
+            heard[peer] = now
+        self.matching.remember_done(key, desc)
+
     @property
     def goodbye_reason(self) -> str:
         return f"it was broken: {self.broken}" if self.broken is not None else ""
 
     # ---- events --------------------------------------------------------------------------------
 
-    def post(self, op: Operation, now: float) -> None:
-        """Start an operation posted on this rank."""
+    def post(self, op: Operation, now: float, started: bool = False) -> None:
+        """Start an operation posted on this rank (``started``: its algorithm started on the
+        caller's thread, ``Engine.run``, and its frames so far have left, so the session takes
+        it over where it stands)."""
         self._now = now
         if self.broken is not None:
             self._fail(op, broken_by(op, self.broken))
@@ -112,7 +136,7 @@ class Session:
         if op.timeout is not None:
             op.deadline = now + op.timeout
             self.liveness.add_deadline(op)
-        if self._guarded(op, op.algo.start):
+        if self._guarded(op, _no_sends if started else op.algo.start):
             for peer, header, payload in self.matching.take_kept(op.key):
                 accepted = self._accept(op, peer, header, payload)
                 self.matching.spares.give(payload)
@@ -461,3 +485,7 @@ class Session:
         """A small operation started, heard from a peer or ended: the engine busy-polls a while."""
         if op.small:
             self.spin_until = self._now + self.settings.spin
+
+
+def _no_sends() -> list[Send]:
+    return []

@@ -8,16 +8,21 @@ the complete frame. Frames to one peer leave in priority order (highest first, t
 of sending) and never interleave below frame granularity; a peer that fails is reported once.
 A peer that said GOODBYE and then closes is not a failure: closing is a handshake (GOODBYE,
 half-close, read to EOF) so no byte in flight is lost and no connection is reset.
+A transport may also let the thread that holds the loop move one small frame each way around
+its queue and its reader (``quiet``, ``take_frame``: see ``Engine.run``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Final, Protocol
 
 from .frame import Header
 
-__all__ = ["FrameSink", "Transport"]
+__all__ = ["ELSEWHERE", "FrameSink", "Transport"]
+
+#: What ``take_frame`` returns when the stream holds something else first.
+ELSEWHERE: Final = memoryview(b"")
 
 
 class FrameSink(Protocol):
@@ -95,3 +100,18 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Close every connection and descriptor this transport owns."""
+
+    def quiet(self, peer: int, nbytes: int) -> bool:
+        """Whether a frame of ``nbytes`` may go to ``peer`` straight into its connection and
+        one come back through ``take_frame``: nothing is queued for it or being written, and
+        nothing of its stream has been read but not yet settled. A transport that cannot do
+        that says False, and every frame takes its queue and its reader."""
+        return False
+
+    def take_frame(self, peer: int, head: bytes, size: int) -> memoryview | None:
+        """The ``size``-byte payload of the next frame from ``peer`` if that frame is all here
+        and its header and name are exactly ``head``, taken off the stream (readable until
+        the next call); None while it is not all here; ``ELSEWHERE`` if the stream holds
+        anything else first (another frame, its end, an error), which ``poll`` must read.
+        Only for a ``quiet`` peer."""
+        return ELSEWHERE

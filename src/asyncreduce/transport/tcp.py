@@ -27,7 +27,7 @@ import selectors
 import socket
 from collections import deque
 
-from .base import FrameSink, Transport
+from .base import ELSEWHERE, FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
     CREDIT,
@@ -72,6 +72,7 @@ class TcpTransport(Transport):
         self._leaving = False  # we said goodbye: peers' EOFs are expected
         self._gone: list[Connection] = []
         self._lost: set[int] = set()  # ranks whose connection is gone (sends to them: dropped)
+        self._taken = memoryview(bytearray(0))  # where take_frame looks (grown as needed)
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = Connection(peer_rank, sock, (arenas or {}).get(peer_rank))
@@ -249,6 +250,40 @@ class TcpTransport(Transport):
         queued[:] = [out for out in queued if out.token is None]
         heapq.heapify(queued)
         return [(out.head, out.payload, out.token) for out in taken]
+
+    def quiet(self, peer: int, nbytes: int) -> bool:
+        target = self._peers.get(peer)
+        return (
+            target is not None and not (target.queue or target.inflight or target.writing)
+            and target.reader.between_frames() and not target.said_goodbye
+            and (target.arena_out is None or nbytes < SHM_MIN_BYTES)  # (else it is flagged)
+        )  # fmt: skip
+
+    def take_frame(self, peer: int, head: bytes, size: int) -> memoryview | None:
+        """(See Transport.) A look at the stream (MSG_PEEK), then, if it is the frame, the
+        same bytes taken off it with no second copy (MSG_TRUNC discards on TCP)."""
+        target = self._peers.get(peer)
+        if target is None:
+            return ELSEWHERE
+        whole = len(head) + size
+        if len(self._taken) < whole:
+            self._taken = memoryview(bytearray(whole))
+        taken = self._taken
+        try:
+            n = target.sock.recv_into(taken, whole, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return ELSEWHERE  # (poll reads it again, and reports the loss)
+        seen = min(n, len(head))
+        if n == 0 or taken[:seen] != head[:seen]:
+            return ELSEWHERE
+        if n < whole:
+            return None
+        if target.sock.recv_into(taken, whole, socket.MSG_TRUNC) != whole:  # (it was all there)
+            self._lose(target, FrameError(f"rank {peer}: a frame seen whole was taken in part"))
+            return ELSEWHERE
+        return taken[len(head) : whole]
 
     def divert(self, peer_rank: int) -> None:
         peer = self._peers.get(peer_rank)

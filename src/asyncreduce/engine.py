@@ -185,7 +185,7 @@ class Engine(FrameSink):
         self._refuse_reentry(label)
         try:
             if self._ask_for_loop(None, end):
-                return self._run_held(key, desc, algo, priority, posted, end, adopt)
+                return self._run_held(key, label, desc, algo, priority, posted, end, adopt)
         finally:
             self._give_back_loop()
         return self._posted(adopt())
@@ -325,8 +325,8 @@ class Engine(FrameSink):
             os.sched_yield()
 
     def _run_held(
-        self, key: Key, desc: Descriptor, algo: RecursiveDoubling, priority: int, posted: float,
-        end: float, adopt: Callable[[], Operation],
+        self, key: Key, label: str, desc: Descriptor, algo: RecursiveDoubling, priority: int,
+        posted: float, end: float, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
         """``run``, holding the loop."""
         transport, session = self.transport, self.session
@@ -347,7 +347,7 @@ class Engine(FrameSink):
             return op.request
         if not done:
             return self._taken_over(adopt(), posted)
-        session.ran(key, desc, heard, time.monotonic())
+        session.ran(key, label, desc, heard, time.monotonic())
         self.direct += 1
         return None
 

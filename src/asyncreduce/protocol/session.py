@@ -98,7 +98,9 @@ class Session:
             or now - liveness.last_beat >= liveness.beat_every
         )  # fmt: skip
 
-    def ran(self, key: Key, desc: Descriptor, heard_from: Iterable[int], now: float) -> None:
+    def ran(
+        self, key: Key, label: str, desc: Descriptor, heard_from: Iterable[int], now: float
+    ) -> None:
         """Operation ``key`` ran around the session (``Engine.run``), with a frame from each
         of ``heard_from``: those ranks are alive, and ``key`` is remembered as done, so a frame
         that still came for it would be judged as for any other operation that ended."""
@@ -106,6 +108,8 @@ class Session:
         for peer in heard_from:
             heard[peer] = now
         self.matching.remember_done(key, desc)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d ends %s: done", self.rank, label)
 
     @property
     def goodbye_reason(self) -> str:

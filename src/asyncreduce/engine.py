@@ -45,10 +45,10 @@ from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHD
 from .protocol.failure import broken_by, closed_under
 from .protocol.operation import Operation, Settings, bytes_of
 from .protocol.session import Session
-from .protocol.wire import Key, describe, payload_bytes
+from .protocol.wire import Key, data_head, describe, payload_bytes
 from .request import Request
 from .transport.base import ELSEWHERE, FrameSink, Transport
-from .transport.frame import DATA, MAX_ERROR_BYTES, Descriptor, Header, pack_header
+from .transport.frame import MAX_ERROR_BYTES, Descriptor, Header
 
 __all__ = ["THREAD_PREFIX", "Engine"]
 
@@ -63,6 +63,9 @@ _LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thre
 # test() or a callback does, see Request), so an operation nobody looks at waits this long
 _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
 _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it saw
+_DIRECT_LOOK = 5e-3  # a direct run only this soon after the loop last read every connection,
+# so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
+# most about this long while a thread runs small allreduces back to back
 
 
 class Engine(FrameSink):
@@ -98,6 +101,8 @@ class Engine(FrameSink):
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
         self.direct = 0  # operations run to the end on their caller's thread (run)
+        self._looked = 0.0  # when the loop last read every connection (a direct run reads
+        # only its partners': see _DIRECT_LOOK)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
@@ -170,11 +175,12 @@ class Engine(FrameSink):
         each frame straight into its socket and each peer's straight out of the stream into
         the fold; no request, no session event, nobody woken. None: done, the result is in
         place. Anything else makes it an ordinary operation, ``adopt()``, whose request is
-        returned to wait on: work in the engine (it is posted behind it, as any other), a
-        partner's stream that holds something else first (another operation's frame, a beat,
-        a goodbye, a frame that disagrees: the loop reads and judges it; this one is taken over
-        where it stands), a partner not there within ``_DRIVE_SPIN`` (the loop watches it from
-        then on, its deadline counted from here), a close, another post."""
+        returned to wait on: work in the engine (it is posted behind it, as any other), no
+        look at every connection for ``_DIRECT_LOOK``, a partner's stream that holds something
+        else first (another operation's frame, a beat, a goodbye, a frame that disagrees: the
+        loop reads and judges it; this one is taken over where it stands), a frame that did not
+        leave whole, a partner not there within ``_DRIVE_SPIN`` (the loop watches it from then
+        on, its deadline counted from the take-over), a close, another thread's post or wait."""
         settings = self.settings
         if not (settings.direct and settings.spin) or self._closing.is_set() or (
             self._crash is not None or self._forked()
@@ -307,7 +313,7 @@ class Engine(FrameSink):
         while not (self._closing.is_set() or self._crash is not None):
             try:
                 self._take_submitted(driving=True)
-                self.transport.poll(0.0)
+                self._look()
                 self._turn_rest()
             except BaseException as exc:  # a bug: this thread raises it, and fails everything
                 self._crash = exc
@@ -331,7 +337,8 @@ class Engine(FrameSink):
         """``run``, holding the loop."""
         transport, session = self.transport, self.session
         size = algo.buffer.nbytes
-        quiet = not self._submitted and session.quiet(key, posted)
+        quiet = not self._submitted and posted - self._looked < _DIRECT_LOOK
+        quiet = quiet and session.quiet(key, posted)
         for peer in algo.partners:
             quiet = quiet and transport.quiet(peer, size)
         if not quiet:
@@ -339,6 +346,9 @@ class Engine(FrameSink):
         heard: list[int] = []
         try:
             done = quiet_numpy(lambda: self._exchange(key, desc, algo, priority, end, heard))
+            if not done or session.broken is not None:  # (broken: a send found a peer gone)
+                return self._taken_over(adopt())
+            session.ran(key, label, desc, heard, time.monotonic())
         except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
             self._crash = exc
             if not isinstance(exc, Exception):
@@ -346,9 +356,6 @@ class Engine(FrameSink):
             op = adopt()
             op.request.set_exception(BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
             return op.request
-        if not done:
-            return self._taken_over(adopt(), posted)
-        session.ran(key, label, desc, heard, time.monotonic())
         self.direct += 1
         return None
 
@@ -358,21 +365,23 @@ class Engine(FrameSink):
     ) -> bool:  # fmt: skip
         """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
         done (True), or until something else must happen first (False): another thread's
-        post, wait or close, a stream that holds something else, ``end``."""
-        transport, name, instance, size = self.transport, key[0], key[1], algo.buffer.nbytes
+        post, wait or close, a frame that did not leave whole (the loop writes the rest), a
+        stream that holds something else, ``end``."""
+        transport, size = self.transport, algo.buffer.nbytes
         heads: dict[int, bytes] = {}  # by step: what a partner sends is what this rank sends
         sends = algo.start()
         while True:
             for s in sends:
                 payload = bytes_of(s.payload)
-                head = pack_header(DATA, name, instance, s.step, s.seg, payload.nbytes, desc)
-                heads[s.step] = head
+                head = heads[s.step] = data_head(key, s.step, s.seg, payload.nbytes, desc)
                 transport.send(s.dst, head, payload, priority, None)
+                if not transport.quiet(s.dst, 0):
+                    return False
             awaited = algo.awaited
             if awaited is None:
                 return True
             peer, step = awaited
-            head = heads.get(step) or pack_header(DATA, name, instance, step, 0, size, desc)
+            head = heads.get(step) or data_head(key, step, 0, size, desc)
             while (view := transport.take_frame(peer, head, size)) is None:
                 if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
                     return False  # (another thread's operation, or its wait, must move too)
@@ -382,12 +391,12 @@ class Engine(FrameSink):
             heard.append(peer)
             sends = algo.on_view(peer, step, 0, view)
 
-    def _taken_over(self, op: Operation, posted: float) -> Request[Any]:
-        """A direct run the loop takes over where it stands (its frames so far are the
-        transport's, snapshots of the buffer; its deadline counts from ``posted``)."""
+    def _taken_over(self, op: Operation) -> Request[Any]:
+        """A direct run the loop takes over where it stands (what it sent stays sent: snapshots
+        of the buffer); its deadline counts from here, at most ``_DRIVE_SPIN`` after its post."""
         op.posted_at = time.time()
         op.request.mover = self
-        self.session.post(op, posted, started=True)
+        self.session.post(op, time.monotonic(), started=True)
         self._apply()
         return op.request
 
@@ -512,14 +521,14 @@ class Engine(FrameSink):
         No lost wake-up: ``_sleeping`` is set, and the queue looked at once more, under the
         lock that ``submit`` holds to append and then read ``_sleeping``."""
         if self.session.working:  # work waits: only look at what came in
-            self.transport.poll(0.0)
+            self._look()
             return
         now = time.monotonic()
         lane = self.lane
         if now < self.session.spin_until or (  # the lane moved lately, and nobody waits on it
             lane is not None and lane.busy and not lane.drivers and now - lane.moved_at < _LANE_SPIN
         ):
-            self.transport.poll(0.0)
+            self._look()
             os.sched_yield()
             return
         with self._lock:
@@ -531,7 +540,13 @@ class Engine(FrameSink):
                 timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
             self._dozing = timeout > _LANE_NAP
         self.transport.poll(timeout)
+        self._looked = time.monotonic()
         self._sleeping = self._dozing = False
+
+    def _look(self) -> None:
+        """Read what came in on every connection, without waiting."""
+        self.transport.poll(0.0)
+        self._looked = time.monotonic()
 
     def _apply(self, each_alone: bool = False) -> None:
         """Carry out the session's commands, in order. A send may report itself sent at once,

@@ -30,7 +30,7 @@ from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, ProtocolError, Send
 from ..cma import PeerMemoryError
 from ..errors import BrokenError, MismatchError
 from ..flight import FlightRecorder, Record
-from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header, pack_header
+from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header
 from . import commands as do
 from . import wire
 from .commands import CONTROL_PRIORITY, Command
@@ -430,7 +430,7 @@ class Session:
             op.dropped_for = s.dst  # it closed: nobody reads it (a post fails for it: post)
             return
         payload = bytes_of(s.payload)
-        head = pack_header(DATA, op.key[0], op.key[1], s.step, s.seg, payload.nbytes, op.desc)
+        head = wire.data_head(op.key, s.step, s.seg, payload.nbytes, op.desc)
         op.unsent += 1
         if not self.flow.may_send(s.dst, op.key):
             self.flow.keep_back(s.dst, (op, head, payload))  # until it is posted there

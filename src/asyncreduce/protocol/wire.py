@@ -28,6 +28,7 @@ from ..algorithms import CROSS_MEMORY, DTYPE_BY_CODE, KINDS, REDUCTION_CODES
 from ..errors import BrokenError, MismatchError
 from ..transport.frame import (
     ABORT,
+    DATA,
     ERROR,
     FLOW,
     HEARTBEAT,
@@ -39,7 +40,7 @@ from ..transport.frame import (
 )
 
 __all__ = [
-    "ON_DEVICE", "Key", "describe", "mismatch_hint", "payload_bytes",
+    "ON_DEVICE", "Key", "data_head", "describe", "mismatch_hint", "payload_bytes",
     "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED", "ANSWERS",
     "Beat", "Hold", "Posted", "Ask", "Answer", "Failed", "Abort", "Control",
     "encode", "decode", "NO_DESC",
@@ -191,6 +192,12 @@ def mismatch_hint(mine: Descriptor, theirs: Descriptor) -> str:
             "window's number must match too: call shared_empty in the same order everywhere)"
         )
     return ""
+
+
+def data_head(key: Key, step: int, seg: int, nbytes: int, desc: Descriptor) -> bytes:
+    """The header and name of one DATA frame of operation ``key``: what the session sends, and
+    what a direct run (``Engine.run``) sends and expects from its partners byte for byte."""
+    return pack_header(DATA, key[0], key[1], step, seg, nbytes, desc)
 
 
 def payload_bytes(desc: Descriptor) -> int:

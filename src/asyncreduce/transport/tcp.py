@@ -271,17 +271,17 @@ class TcpTransport(Transport):
         taken = self._taken
         try:
             n = target.sock.recv_into(taken, whole, socket.MSG_PEEK)
+            seen = min(n, len(head))
+            if n == 0 or taken[:seen] != head[:seen]:
+                return ELSEWHERE  # (poll reads it, or the end, and reports that)
+            if n < whole:
+                return None
+            if target.sock.recv_into(taken, whole, socket.MSG_TRUNC) != whole:  # (all there)
+                raise ConnectionError("a frame seen whole was taken in part")
         except (BlockingIOError, InterruptedError):
             return None
-        except OSError:
-            return ELSEWHERE  # (poll reads it again, and reports the loss)
-        seen = min(n, len(head))
-        if n == 0 or taken[:seen] != head[:seen]:
-            return ELSEWHERE
-        if n < whole:
-            return None
-        if target.sock.recv_into(taken, whole, socket.MSG_TRUNC) != whole:  # (it was all there)
-            self._lose(target, FrameError(f"rank {peer}: a frame seen whole was taken in part"))
+        except OSError as exc:  # (a reset: the error is consumed here, so report it here)
+            self._lose(target, exc)
             return ELSEWHERE
         return taken[len(head) : whole]
 

@@ -63,7 +63,7 @@ _LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thre
 # test() or a callback does, see Request), so an operation nobody looks at waits this long
 _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
 _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it saw
-_DIRECT_LOOK = 5e-3  # a direct run only this soon after the loop last read every connection,
+_DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
 # so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
 # most about this long while a thread runs small allreduces back to back
 

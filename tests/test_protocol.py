@@ -511,7 +511,8 @@ def test_a_session_is_quiet_only_with_nothing_in_flight_kept_due_or_broken() -> 
         assert not session.quiet(key, 0.0)
         undo()
         assert session.quiet(key, 0.0)
-    session.ran(key, "allreduce #0", session.matching.done[(b"x", 0)], [1], 0.5)
+    session.heard_from([1], 0.5)
+    session.ran(key, "allreduce #0", session.matching.done[(b"x", 0)])
     assert session.matching.done[key] and session.liveness.heard[1] == 0.5  # remembered, heard
     wire.goodbye(1)
     wire.run()

@@ -218,40 +218,40 @@ def test_overflow_on_a_driving_waiter_is_the_data_not_a_crash() -> None:
 def body_driver_bug(comm: ar.Communicator, how: str) -> dict[str, Any]:
     """On rank 1, a frame that a waiter's turn takes in raises (a bug in the loop, on the
     waiter's thread: ``how`` "wait", as it drives the loop; "direct", as it runs a blocking
-    allreduce itself); every rank returns the error its allreduce ended with."""
+    allreduce itself); every rank returns the error it ended with. (Rank 1 breaks once it is
+    through the barrier: a slower rank may hear of it while still in the barrier.)"""
     engine = _engine(comm)
-    comm.barrier()
-    if comm.rank == 1 and how == "direct":
-        take_frame = engine.transport.take_frame
-
-        def buggy_take(*args: Any) -> Any:
-            if threading.current_thread() is threading.main_thread():
-                raise RuntimeError("a bug in the loop, on the waiter's thread")
-            return take_frame(*args)
-
-        engine.transport.take_frame = buggy_take  # type: ignore[method-assign]
-    elif comm.rank == 1:
-        session = engine.session
-
-        def buggy(real: Any) -> Any:
-            def on_waiters_thread(*args: Any) -> Any:
-                if threading.current_thread() is threading.main_thread():
-                    raise RuntimeError("a bug in the loop, on the waiter's thread")
-                return real(*args)
-
-            return on_waiters_thread
-
-        # a small frame comes as a view (on_view), an early or control one whole (on_frame)
-        session.on_frame = buggy(session.on_frame)  # type: ignore[method-assign]
-        session.on_view = buggy(session.on_view)  # type: ignore[method-assign]
     began = time.monotonic()
     try:
+        comm.barrier()
+        if comm.rank == 1:
+            _plant_a_bug(engine, how)
         for _ in range(1000):
             x = np.ones(16, np.float32)
             comm.allreduce(x) if how == "direct" else comm.iallreduce(x).wait()
     except ar.BrokenError as exc:
         return {"error": str(exc), "took": time.monotonic() - began, "driven": engine.driven}
     return {"error": None, "took": time.monotonic() - began, "driven": engine.driven}
+
+
+def _plant_a_bug(engine: Engine, how: str) -> None:
+    """What the waiting thread calls raises on it: the transport's ``take_frame`` for a
+    direct run, else the session's ``on_frame`` and ``on_view`` (a small frame comes as a
+    view, an early or control one whole)."""
+
+    def buggy(real: Any) -> Any:
+        def on_waiters_thread(*args: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                raise RuntimeError("a bug in the loop, on the waiter's thread")
+            return real(*args)
+
+        return on_waiters_thread
+
+    if how == "direct":
+        engine.transport.take_frame = buggy(engine.transport.take_frame)  # type: ignore[method-assign]
+    else:
+        engine.session.on_frame = buggy(engine.session.on_frame)  # type: ignore[method-assign]
+        engine.session.on_view = buggy(engine.session.on_view)  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("how", ["wait", "direct"])

@@ -346,9 +346,10 @@ class Engine(FrameSink):
         heard: list[int] = []
         try:
             done = quiet_numpy(lambda: self._exchange(key, desc, algo, priority, end, heard))
+            session.heard_from(heard, time.monotonic())
             if not done or session.broken is not None:  # (broken: a send found a peer gone)
                 return self._taken_over(adopt())
-            session.ran(key, label, desc, heard, time.monotonic())
+            session.ran(key, label, desc)
         except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
             self._crash = exc
             if not isinstance(exc, Exception):

@@ -98,15 +98,17 @@ class Session:
             or now - liveness.last_beat >= liveness.beat_every
         )  # fmt: skip
 
-    def ran(
-        self, key: Key, label: str, desc: Descriptor, heard_from: Iterable[int], now: float
-    ) -> None:
-        """Operation ``key`` ran around the session (``Engine.run``), with a frame from each
-        of ``heard_from``: those ranks are alive, and ``key`` is remembered as done, so a frame
-        that still came for it would be judged as for any other operation that ended."""
+    def heard_from(self, peers: Iterable[int], now: float) -> None:
+        """A frame of each of ``peers`` was taken around the session (``Engine.run``): they
+        are alive, as if it had come through ``on_view``."""
         heard = self.liveness.heard
-        for peer in heard_from:
+        for peer in peers:
             heard[peer] = now
+
+    def ran(self, key: Key, label: str, desc: Descriptor) -> None:
+        """Operation ``key`` ran around the session to the end (``Engine.run``): it is
+        remembered as done, so a frame that still came for it would be judged as for any other
+        operation that ended."""
         self.matching.remember_done(key, desc)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d ends %s: done", self.rank, label)

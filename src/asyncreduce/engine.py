@@ -20,6 +20,12 @@ nobody: the waiter is the thread that finishes it. Whoever runs the loop holds `
 so the transport and the protocol still have one thread at a time, and need no lock of their
 own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is
 raised on this thread, which fails every request as for its own.
+
+A blocking small allreduce goes further (``run``): holding the loop while the engine is quiet
+(nothing in flight or kept, no beat due, every connection read within ``_DIRECT_LOOK``), its
+caller runs recursive doubling over the partners' connections itself, taking only the frames
+whose headers are exactly the expected ones; anything else hands it to the session where it
+stands, and the loop goes on from there as for any operation.
 """
 
 from __future__ import annotations

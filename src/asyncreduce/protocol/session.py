@@ -121,8 +121,8 @@ class Session:
 
     def post(self, op: Operation, now: float, started: bool = False) -> None:
         """Start an operation posted on this rank (``started``: its algorithm started on the
-        caller's thread, ``Engine.run``, and its frames so far have left, so the session takes
-        it over where it stands)."""
+        caller's thread, ``Engine.run``, and the frames it sent so far are the transport's,
+        snapshots of the buffer, so the session takes it over where it stands)."""
         self._now = now
         if self.broken is not None:
             self._fail(op, broken_by(op, self.broken))

@@ -66,8 +66,9 @@ def test_asyncreduce_torch_without_torch_says_what_to_install() -> None:
 
 @pytest.mark.slow
 def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_path: Path) -> None:
-    """The C mailbox is optional: a wheel built where the compiler fails has no extension,
-    installs, and folds with numpy (the suite itself runs both mailboxes where it was built)."""
+    """The C mailbox and stream look are optional: a wheel built where the compiler fails has
+    no extension, installs, and folds with numpy (the suite runs both ways where they were
+    built)."""
     env = {**os.environ, "CC": "false", "LDSHARED": "false"}
     source, wheels = tmp_path / "source", tmp_path / "wheel"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(  # no earlier build's output
@@ -77,10 +78,11 @@ def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_pat
     (wheel,) = wheels.glob("asyncreduce-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(tmp_path / "site"), str(wheel)], check=True, timeout=300)  # fmt: skip
-    assert not list((tmp_path / "site" / "asyncreduce").glob("_mailbox_core*.so"))
+    assert not list((tmp_path / "site" / "asyncreduce").glob("_*_core*.so"))
     probe = (
-        "import numpy as np, asyncreduce.mailbox as m\n"
+        "import numpy as np, asyncreduce.mailbox as m, asyncreduce.transport.tcp as t\n"
         "assert m.Core is None and not m.native_wanted(), m.__file__\n"
+        "assert t.native_take is None and not t.native_take_wanted()\n"
         "r = [np.zeros(m.region_bytes(), np.uint8) for _ in range(2)]\n"
         "a, b = m.Mailbox(0, r[0], {1: r[1]}), m.Mailbox(1, r[1], {0: r[0]})\n"
         "from asyncreduce.algorithms.reduction import DTYPES\n"

@@ -43,6 +43,7 @@ from wire import Wire
 TCP = {"ASYNCREDUCE_SHM": "0", "ASYNCREDUCE_CMA": "0"}  # bulk and small frames share a queue
 PATHS = {
     "direct": TCP,  # a blocking one runs on its caller's thread where the engine is quiet
+    "direct-python": {**TCP, "ASYNCREDUCE_NATIVE": "0"},  # the same, its look in Python
     "drive": {**TCP, "ASYNCREDUCE_DIRECT": "0"},  # its waiter drives the engine's loop
     "fallback": {**TCP, "ASYNCREDUCE_SPIN_US": "0"},  # the progress thread alone, sleeping
 }
@@ -113,7 +114,7 @@ def test_small_operations_from_threads_complete_beside_large_ones(path: str) -> 
         # progress thread finishes what completes while it holds the loop); else none does.
         # (With the bulk in flight the engine is never quiet: no small one runs direct.)
         assert (got["driven"] > 0) == (path != "fallback"), f"rank {rank}: {got['driven']}"
-        if path != "direct":  # (turned off: none runs directly)
+        if not path.startswith("direct"):  # (turned off: none runs directly)
             assert got["direct"] == 0, f"rank {rank}: {got['direct']} direct"
         assert len(got["small"]) == THREADS * PER_THREAD and len(got["bulk"]) == BULK_OPS
         # small operations cut in: queued behind the bulk, each would take a bulk operation
@@ -156,7 +157,7 @@ def test_a_peer_dying_mid_spin_breaks_every_survivor_and_stops_the_spin(path: st
     assert set(results) == {0, 1}
     for rank, got in results.items():
         assert (got["spin"] > 0) == (path != "fallback")
-        assert (got["direct"] > 0) == (path == "direct"), f"rank {rank}: {got['direct']} direct"
+        assert (got["direct"] > 0) == path.startswith("direct"), f"rank {rank}: {got['direct']}"
         assert got["completed"] >= 10, f"rank {rank}: died before the run began ({got})"
         assert "rank 2" in got["message"], got["message"]
         assert got["noticed"] < 10, f"rank {rank}: the loss took {got['noticed']:.1f} s"
@@ -366,6 +367,16 @@ def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:
     except ar.MismatchError as exc:
         return {"completed": completed, "error": str(exc), "direct": _engine(comm).direct}
     return {"completed": completed, "error": None, "direct": _engine(comm).direct}
+
+
+def test_a_rank_that_looks_in_python_agrees_with_those_that_look_in_c() -> None:
+    """A direct run's look at its partner's stream is C's (_stream_core) or Python's
+    (ASYNCREDUCE_NATIVE=0), each rank on its own: the same frames, the same results."""
+    results = run_ranks(3, body_direct, env=TCP, rank_env={1: {"ASYNCREDUCE_NATIVE": "0"}},
+                        timeout=120)  # fmt: skip
+    assert len({got["digest"] for got in results.values()}) == 1, "the ranks differ"
+    for rank, got in results.items():
+        assert got["exact"] and got["direct"] >= 60, f"rank {rank}: {got}"
 
 
 def test_a_rank_that_posts_another_size_fails_every_rank_with_a_mismatch() -> None:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncreduce.transport.base import ELSEWHERE
 from asyncreduce.transport.frame import (
     DATA,
     FLAG_SHM,
@@ -28,7 +29,7 @@ from asyncreduce.transport.frame import (
     parse_header,
 )
 from asyncreduce.transport.shm import create_arena, open_arena
-from asyncreduce.transport.tcp import TcpTransport
+from asyncreduce.transport.tcp import TcpTransport, native_take
 
 DESC = Descriptor(1, 2, 1, 0, 10)
 
@@ -368,15 +369,24 @@ def test_the_kernel_holds_only_a_little_of_a_connections_unsent_frames(
 # ---- around the queue and the reader: what a thread that runs an operation itself uses ------
 
 
-def tcp_pair() -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
-    """Two transports over a real loopback TCP connection (as the mesh makes them)."""
+#: take_frame's two looks: in C (_stream_core, where it was built) and in Python
+TAKES = [pytest.param(True, id="native"), pytest.param(False, id="python")]
+
+
+def tcp_pair(native: bool = True) -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
+    """Two transports over a real loopback TCP connection (as the mesh makes them), whose
+    take_frame looks in C (``native``, where it was built) or in Python."""
+    if native and native_take is None:
+        pytest.skip("asyncreduce._stream_core was not built")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         a = socket.create_connection(listener.getsockname())
         b, _ = listener.accept()
     for sock in (a, b):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sa, sb = Sink(), Sink()
-    return TcpTransport(0, {1: a}, sa), sa, TcpTransport(1, {0: b}, sb), sb
+    ta, tb = TcpTransport(0, {1: a}, sa), TcpTransport(1, {0: b}, sb)
+    ta._native_take = tb._native_take = native
+    return ta, sa, tb, sb
 
 
 def take_when_here(t: TcpTransport, head: bytes, size: int) -> memoryview | None:
@@ -387,10 +397,11 @@ def take_when_here(t: TcpTransport, head: bytes, size: int) -> memoryview | None
     return got
 
 
-def test_take_frame_takes_exactly_the_frame_it_expects_and_leaves_anything_else() -> None:
-    from asyncreduce.transport.base import ELSEWHERE
-
-    ta, sa, tb, sb = tcp_pair()
+@pytest.mark.parametrize("native", TAKES)
+def test_take_frame_takes_exactly_the_frame_it_expects_and_leaves_anything_else(
+    native: bool,
+) -> None:
+    ta, sa, tb, sb = tcp_pair(native)
     payload = os.urandom(4096)
     head, body = frame(b"op", payload, step=1)
     assert tb.quiet(0, len(payload)) and ta.quiet(1, len(payload))
@@ -420,8 +431,45 @@ def test_take_frame_takes_exactly_the_frame_it_expects_and_leaves_anything_else(
     tb.close()
 
 
-def test_a_connection_is_quiet_only_with_nothing_queued_or_half_read() -> None:
-    ta, sa, tb, sb = tcp_pair()
+@pytest.mark.parametrize("native", TAKES)
+def test_a_frame_begun_by_a_taker_that_gives_up_is_read_whole_by_poll(native: bool) -> None:
+    """A direct run that gave up on its partner's frame half way (the loop takes it over):
+    the first part, which only the look has seen (the C look takes it off the stream), and
+    the rest reach the sink as one frame, and the connection is not quiet until then."""
+    ta, sa, tb, sb = tcp_pair(native)
+    payload = os.urandom(4096)
+    head, body = frame(b"op", payload, step=1)
+    ta._peers[1].sock.sendall(head + payload[:1000])
+    time.sleep(0.05)
+    assert tb.take_frame(0, head, len(payload), 0.001) is None
+    assert tb.quiet(0, len(payload)) is (not native)  # (Python's look took nothing)
+    ta._peers[1].sock.sendall(payload[1000:])
+    pump(ta, tb, until=lambda: len(sb.frames) == 1)
+    assert sb.frames[0][1].step == 1 and sb.frames[0][2] == payload and not sb.lost
+    assert tb.quiet(0, len(payload))
+    ta.close()
+    tb.close()
+
+
+@pytest.mark.parametrize("native", TAKES)
+def test_take_frame_hands_a_reset_and_what_came_before_it_to_the_sink(native: bool) -> None:
+    """A frame of another operation, then a reset: the frame reaches the sink, then the loss."""
+    ta, sa, tb, sb = tcp_pair(native)
+    payload = os.urandom(512)
+    ta._peers[1].sock.sendall(b"".join(frame(b"other", payload, step=1)))
+    ta._peers[1].sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    ta.close()  # (lingering 0 s: a reset)
+    time.sleep(0.05)
+    head, _ = frame(b"op", payload, step=1)
+    assert take_when_here(tb, head, len(payload)) is ELSEWHERE
+    pump(tb, until=lambda: bool(sb.lost))
+    assert [f[2] for f in sb.frames] == [payload] and sb.lost[0][0] == 0
+    tb.close()
+
+
+@pytest.mark.parametrize("native", TAKES)
+def test_a_connection_is_quiet_only_with_nothing_queued_or_half_read(native: bool) -> None:
+    ta, sa, tb, sb = tcp_pair(native)
     ta.send(1, *frame(b"big", bytes(32 << 20)), 0, "big")  # far more than the socket holds
     assert not ta.quiet(1, 64)  # frames of it wait to leave
     deadline = time.monotonic() + 10

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,12 @@ _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it 
 _DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
 # so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
 # most about this long while a thread runs small allreduces back to back
+_ASIDE_GRACE = 10e-3  # how long this thread stays aside after the last waiter gave the loop
+# back with nothing left to move: a thread that runs small operations back to back finds it
+# aside at its next one, instead of waking it from poll() to take the loop back each time
+_SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
+_TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without the GIL (in C),
+# so another thread's post or wait is noticed within it
 
 
 class Engine(FrameSink):
@@ -100,6 +106,7 @@ class Engine(FrameSink):
         self._holder = 0  # the thread ident of the driver that holds it, or 0
         self._turn = threading.Condition(threading.Lock())  # where this thread stands aside
         self._aside = False  # it does (a submit then wakes it where no driver holds the loop)
+        self._given_back = -math.inf  # when the last waiter gave the loop back
         self._drivers: set[int] = set()  # the threads that want the loop or have it (a set:
         # an add or discard cannot be cut in half by an interrupt)
         self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
@@ -134,7 +141,10 @@ class Engine(FrameSink):
             self._submitted.append(op)
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
-            self.transport.wakeup()  # (standing aside, it looks within its nap: see wake)
+            self.transport.wakeup()
+        elif self._aside and not self._drivers:  # (aside in its grace: after the append)
+            with self._turn:
+                self._turn.notify()
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
@@ -233,6 +243,7 @@ class Engine(FrameSink):
             self._holder, self._driving = 0, False
             self._owner.release()
         self._drivers.discard(threading.get_ident())
+        self._given_back = time.monotonic()
         if not self._drivers and self._has_work():
             with self._turn:
                 self._turn.notify()  # (else it looks again within its nap: _stand_aside)
@@ -340,9 +351,12 @@ class Engine(FrameSink):
         self, key: Key, label: str, desc: Descriptor, algo: RecursiveDoubling, priority: int,
         posted: float, end: float, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
-        """``run``, holding the loop."""
+        """``run``, holding the loop (first a look at every connection and a tick, if nobody
+        made one for ``_SELF_LOOK``: this thread stays aside meanwhile, ``_ASIDE_GRACE``)."""
         transport, session = self.transport, self.session
         size = algo.buffer.nbytes
+        if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.partners):
+            return self._failed_here(adopt())
         quiet = not self._submitted and posted - self._looked < _DIRECT_LOOK
         quiet = quiet and session.quiet(key, posted)
         for peer in algo.partners:
@@ -360,11 +374,34 @@ class Engine(FrameSink):
             self._crash = exc
             if not isinstance(exc, Exception):
                 raise
-            op = adopt()
-            op.request.set_exception(BrokenError(f"{op.label}: rank {self.rank}: {exc!r}"))
-            return op.request
+            return self._failed_here(adopt())
         self.direct += 1
         return None
+
+    def _turn_here(self, partners: Collection[int]) -> bool:
+        """A turn of the loop that never blocks, on a direct run's thread, that leaves the
+        partners' streams to the run (a look there would take what a faster partner sent for
+        it, and the run would then go through the session: the partners' streams are read by
+        ``take_frame``, which hands anything else to the reader); False after a bug
+        (``_crash``: the engine thread fails everything)."""
+        try:
+            quiet_numpy(lambda: self._look_and_tick(partners))
+        except BaseException as exc:
+            self._crash = exc
+            if not isinstance(exc, Exception):
+                raise
+            return False
+        return True
+
+    def _look_and_tick(self, partners: Collection[int]) -> None:
+        self.transport.poll(0.0, partners)
+        self._looked = time.monotonic()
+        self._turn_rest()
+
+    def _failed_here(self, op: Operation) -> Request[Any]:
+        """``op``'s request, failed by a bug of the loop on this thread."""
+        op.request.set_exception(BrokenError(f"{op.label}: rank {self.rank}: {self._crash!r}"))
+        return op.request
 
     def _exchange(
         self, key: Key, desc: Descriptor, algo: RecursiveDoubling, priority: int, end: float,
@@ -389,7 +426,7 @@ class Engine(FrameSink):
                 return True
             peer, step = awaited
             head = heads.get(step) or data_head(key, step, 0, size, desc)
-            while (view := transport.take_frame(peer, head, size)) is None:
+            while (view := transport.take_frame(peer, head, size, _TAKE_LOOK)) is None:
                 if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
                     return False  # (another thread's operation, or its wait, must move too)
                 os.sched_yield()
@@ -465,9 +502,15 @@ class Engine(FrameSink):
         (``_has_work``): a wake-up per operation cost as much as the operation's Python."""
         with self._turn:
             self._aside = True
-            while self._drivers and not self._closing.is_set():
-                self._turn.wait(_LANE_NAP)
+            while not self._closing.is_set() and (self._drivers or self._in_grace()):
+                self._turn.wait(_ASIDE_GRACE)
             self._aside = False
+
+    def _in_grace(self) -> bool:
+        """A waiter gave the loop back within ``_ASIDE_GRACE`` with nothing left to move (a
+        submit, ``wake`` or a give-back with work left notifies this thread; a direct run
+        reads and ticks for it: ``_SELF_LOOK``)."""
+        return time.monotonic() - self._given_back < _ASIDE_GRACE and not self._has_work()
 
     def _move_lane(self, lane: Lane) -> None:
         """Publish and complete what the lane can; now and then fail what must fail."""

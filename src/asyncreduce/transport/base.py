@@ -15,6 +15,7 @@ its queue and its reader (``quiet``, ``take_frame``: see ``Engine.run``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Final, Protocol
 
 from .frame import Header
@@ -63,8 +64,9 @@ class Transport(ABC):
         the frames queued when it went; KeyError for a rank that was never connected."""
 
     @abstractmethod
-    def poll(self, timeout: float | None) -> None:
-        """Move bytes for up to ``timeout`` seconds, calling the sink; returns early on wakeup."""
+    def poll(self, timeout: float | None, unread: Collection[int] = ()) -> None:
+        """Move bytes for up to ``timeout`` seconds, calling the sink; returns early on wakeup.
+        What the ranks in ``unread`` sent stays where it is (a direct run takes it)."""
 
     @abstractmethod
     def wakeup(self) -> None:
@@ -108,10 +110,13 @@ class Transport(ABC):
         that says False, and every frame takes its queue and its reader."""
         return False
 
-    def take_frame(self, peer: int, head: bytes, size: int) -> memoryview | None:
+    def take_frame(
+        self, peer: int, head: bytes, size: int, seconds: float = 0.0
+    ) -> memoryview | None:
         """The ``size``-byte payload of the next frame from ``peer`` if that frame is all here
         and its header and name are exactly ``head``, taken off the stream (readable until
-        the next call); None while it is not all here; ``ELSEWHERE`` if the stream holds
-        anything else first (another frame, its end, an error), which ``poll`` must read.
-        Only for a ``quiet`` peer."""
+        the next call); None while it is not all here (after looking for up to ``seconds``,
+        where the transport can look without the GIL; once at least); ``ELSEWHERE`` if the
+        stream holds anything else first (another frame, its end, an error), which ``poll``
+        must read. Only for a ``quiet`` peer."""
         return ELSEWHERE

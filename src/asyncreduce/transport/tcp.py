@@ -23,10 +23,13 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
+import os
 import selectors
 import socket
 from collections import deque
+from collections.abc import Collection
 
+from ..envvars import env_number
 from .base import ELSEWHERE, FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
@@ -43,12 +46,24 @@ from .frame import (
 from .listener import WakeUp
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
-__all__ = ["TcpTransport"]
+try:
+    from .._stream_core import FRAME, NOTHING, PART
+    from .._stream_core import take as native_take
+except ImportError:  # not built (no C compiler at set-up): the Python look alone
+    native_take = None  # type: ignore[assignment]
+
+__all__ = ["TcpTransport", "native_take_wanted"]
 
 _READS_PER_EVENT = 64
 _BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)
 _BATCH_BYTES = 1 << 20  # small frames are batched up to this size
 _BURST_BYTES = 4 << 20  # written to one peer before incoming frames are read again
+
+
+def native_take_wanted() -> bool:
+    """Whether ``take_frame`` looks in C (``_stream_core``): it was built, and
+    ASYNCREDUCE_NATIVE is not 0. Each rank on its own: the bytes on the wire are the same."""
+    return native_take is not None and env_number("ASYNCREDUCE_NATIVE", 1, int, 0) > 0
 
 
 class TcpTransport(Transport):
@@ -73,6 +88,9 @@ class TcpTransport(Transport):
         self._gone: list[Connection] = []
         self._lost: set[int] = set()  # ranks whose connection is gone (sends to them: dropped)
         self._taken = memoryview(bytearray(0))  # where take_frame looks (grown as needed)
+        self._native_take = native_take_wanted()
+        self._unparsed: list[Connection] = []  # connections with bytes take_frame staged
+        self._begun: tuple[Connection, int] | None = None  # the frame take_frame has begun
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = Connection(peer_rank, sock, (arenas or {}).get(peer_rank))
@@ -256,16 +274,68 @@ class TcpTransport(Transport):
         return (
             target is not None and not (target.queue or target.inflight or target.writing)
             and target.reader.between_frames() and not target.said_goodbye
+            and (self._begun is None or self._begun[0] is not target)
             and (target.arena_out is None or nbytes < SHM_MIN_BYTES)  # (else it is flagged)
         )  # fmt: skip
 
-    def take_frame(self, peer: int, head: bytes, size: int) -> memoryview | None:
-        """(See Transport.) A look at the stream (MSG_PEEK), then, if it is the frame, the
-        same bytes taken off it with no second copy (MSG_TRUNC discards on TCP)."""
+    def take_frame(
+        self, peer: int, head: bytes, size: int, seconds: float = 0.0
+    ) -> memoryview | None:
+        """(See Transport.) In C where it was built (``_stream_core.take``): one receive per
+        look, into the reader's staging buffer, up to ``seconds`` without the GIL; else in
+        Python, one look: a look at the stream (MSG_PEEK), then, if it is the frame, the same
+        bytes taken off it with no second copy (MSG_TRUNC discards on TCP)."""
         target = self._peers.get(peer)
         if target is None:
             return ELSEWHERE
         whole = len(head) + size
+        if self._native_take:
+            room = target.reader.room()  # (between frames: all of the staging buffer)
+            if whole <= len(room):
+                return self._take_native(target, head, whole, room, seconds)
+        return self._take_peeked(target, head, whole)
+
+    def _take_native(
+        self, target: Connection, head: bytes, whole: int, room: memoryview, seconds: float
+    ) -> memoryview | None:
+        offset = 0
+        if self._begun is not None and self._begun[0] is target:
+            offset, self._begun = self._begun[1], None
+        self._settle_begun()
+        found, n = native_take(target.sock.fileno(), head, room, whole, seconds, offset)
+        if found == FRAME:
+            return room[len(head) : whole]
+        if found == PART:  # (its first n bytes, which only this knows of: see quiet and poll)
+            self._begun = (target, n)
+            return None
+        if found == NOTHING:
+            return None
+        if n:  # anything else, taken off the stream: the reader's, as if poll had read it,
+            target.reader.received(n)  # and parsed by the next poll, after the caller posted
+            self._unparsed.append(target)  # the operation (the loop takes it over first)
+        if found < 0:  # (a reset: consumed here, so reported here, after what came before it)
+            self._parse_unparsed()
+            self._lose(target, OSError(-found, os.strerror(-found)))
+        return ELSEWHERE  # (the end, or what was staged: poll reads and reports it)
+
+    def _settle_begun(self) -> None:
+        """A frame ``take_frame`` began and its taker gave up on: the reader goes on with it."""
+        if self._begun is not None:
+            (peer, n), self._begun = self._begun, None
+            peer.reader.received(n)
+            self._unparsed.append(peer)
+
+    def _parse_unparsed(self) -> None:
+        """Parse what ``take_frame`` staged but did not take."""
+        unparsed, self._unparsed = self._unparsed, []
+        for peer in unparsed:
+            if peer.rank in self._peers:
+                try:
+                    self._parse_staged(peer)
+                except FrameError as exc:
+                    self._lose(peer, exc)
+
+    def _take_peeked(self, target: Connection, head: bytes, whole: int) -> memoryview | None:
         if len(self._taken) < whole:
             self._taken = memoryview(bytearray(whole))
         taken = self._taken
@@ -414,7 +484,11 @@ class TcpTransport(Transport):
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def poll(self, timeout: float | None) -> None:
+    def poll(self, timeout: float | None, unread: Collection[int] = ()) -> None:
+        self._settle_begun()
+        if self._unparsed:  # (a look that found something else: it is news, so no waiting)
+            self._parse_unparsed()
+            timeout = 0.0
         for key, events in self._selector.select(timeout):
             peer = key.data
             if peer is None:
@@ -422,7 +496,8 @@ class TcpTransport(Transport):
                 continue
             if events & selectors.EVENT_WRITE and peer.rank in self._peers:
                 self._flush(peer)
-            if events & selectors.EVENT_READ and peer.rank in self._peers:
+            readable = events & selectors.EVENT_READ and peer.rank not in unread
+            if readable and peer.rank in self._peers:
                 self._on_readable(peer)
 
     def wakeup(self) -> None:

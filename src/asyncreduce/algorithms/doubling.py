@@ -89,8 +89,13 @@ class RecursiveDoubling(Collective):
     def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
         if not self.takes_view(src, step, seg):
             return super().on_view(src, step, seg, view)
-        self._check_size("recursive doubling", self.buffer, view.nbytes)
-        return self.on_message(src, step, seg, np.frombuffer(view, self.buffer.dtype))
+        buffer = self.buffer
+        self._check_size("recursive doubling", buffer, view.nbytes)
+        self._received += 1  # (on_message, then _advance, by the short way: it is this step's)
+        incoming = np.frombuffer(view, buffer.dtype)
+        combine(self.dtype, self.reduce_op, buffer, incoming, src < self.rank)
+        self._step += 1
+        return self._advance()
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1

@@ -142,9 +142,8 @@ class Engine(FrameSink):
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
             self.transport.wakeup()
-        elif self._aside and not self._drivers:  # (aside in its grace: after the append)
-            with self._turn:
-                self._turn.notify()
+        else:
+            self.wake()  # (read after the append: see _in_grace)
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
@@ -166,6 +165,8 @@ class Engine(FrameSink):
             dozing = self._dozing
         if dozing:
             self.transport.wakeup()
+        else:
+            self.wake()  # (aside in its grace after a waiter)
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Run the loop on the waiting thread until ``request`` is done, for as long as
@@ -246,11 +247,11 @@ class Engine(FrameSink):
         self._given_back = time.monotonic()
         if not self._drivers and self._has_work():
             with self._turn:
-                self._turn.notify()  # (else it looks again within its nap: _stand_aside)
+                self._turn.notify()  # (else it looks again after its grace: _stand_aside)
 
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
-        peer's early frames), which can wait for this thread's nap."""
+        peer's early frames), which can wait for this thread's grace (``_ASIDE_GRACE``)."""
         session, lane = self.session, self.lane
         return bool(
             self._submitted or session.matching.ops or session.working
@@ -266,8 +267,10 @@ class Engine(FrameSink):
 
     def wake(self) -> None:
         """Nobody may wait on the request (a callback, ``test``, ``wait_any``): if this thread
-        stands aside with no driver, have it look now, not after its nap. A submit does not:
-        a wait follows most, and a wake-up per operation cost as much as its Python."""
+        stands aside with no driver (in its grace after one: ``_ASIDE_GRACE``), have it look
+        now. A submit, a lane post and a close do the same; while a waiter holds the loop,
+        nothing does: it moves what there is, and its give-back wakes this thread if work is
+        left (a wake-up per operation cost as much as the operation's Python)."""
         if self._aside and not self._drivers:
             with self._turn:
                 self._turn.notify()
@@ -288,6 +291,11 @@ class Engine(FrameSink):
                 self._aborting = abort_reason
                 self._submitted.append(None)
         self.transport.wakeup()
+        if self._turn.acquire(blocking=False):  # (not from a signal handler that interrupted
+            try:  # a thread holding it: the thread then sees the close after its grace)
+                self._turn.notify()  # (aside: it stops waiting)
+            finally:
+                self._turn.release()
         if self._thread is not threading.current_thread() and self._holder != threading.get_ident():
             self._thread.join()  # (not from a signal handler on a thread that holds the loop: the
             # thread waits for it; the interrupted turn stops at the close, and the thread ends)

@@ -517,3 +517,46 @@ def test_a_session_is_quiet_only_with_nothing_in_flight_kept_due_or_broken() -> 
     wire.goodbye(1)
     wire.run()
     assert not session.quiet((b"later", 0), 0.5)  # rank 1 said goodbye
+
+
+class _Worker:
+    """An algorithm with units of work of its own (as the shared-memory allreduce has):
+    it records which operation each unit went to."""
+
+    def __init__(self, name: str, units: int, log: list[str]) -> None:
+        self.name, self.units, self.log = name, units, log
+        self.pending_sources: set[int] = set()
+
+    @property
+    def has_work(self) -> bool:
+        return self.units > 0
+
+    @property
+    def done(self) -> bool:
+        return self.units == 0
+
+    def work(self) -> list[object]:
+        self.units -= 1
+        self.log.append(self.name)
+        return []
+
+
+@given(order=st.permutations(["c", "a", "b"]))
+@fast
+def test_every_rank_works_on_the_same_operation_first_whatever_order_it_posted_them(
+    order: list[str],
+) -> None:
+    """Units of work go to the most urgent operation, then the least key: not the first
+    posted, which differs between ranks whose threads posted in different orders (each rank
+    would reduce another operation's segments and wait on the rest)."""
+    wire, log = Wire(2, seed=0), []
+    session = wire.ranks[0].session
+    for i, name in enumerate(order):
+        op = wire.make(0, "allreduce", name, np.ones(4, np.float32))
+        op.algo = _Worker(name, 2, log)  # type: ignore[assignment]
+        op.priority = 1 if name == "c" else 0
+        op.age = i
+        session.working.add(op)
+    while session.working:
+        session.work(0.0)
+    assert log == ["c", "c", "a", "a", "b", "b"]

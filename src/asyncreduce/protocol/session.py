@@ -258,10 +258,13 @@ class Session:
 
     def work(self, now: float) -> None:
         """One unit of the most urgent operation's own work (the highest priority, then the
-        oldest): between units the engine reads what came in, so a small urgent operation is
-        not stuck behind a large one's reductions for longer than one segment."""
+        least key): between units the engine reads what came in, so a small urgent operation
+        is not stuck behind a large one's reductions for longer than one segment. The key, not
+        the order of posting, so that every rank works on the same operation first when threads
+        posted them in different orders: each one's segments then meet their peers' while
+        still in the cache, instead of every rank reducing another and waiting on the rest."""
         self._now = now
-        op = max(self.working, key=lambda o: (o.priority, -o.age))
+        op = min(self.working, key=lambda o: (-o.priority, o.key))
         if self._guarded(op, op.algo.work):
             self._maybe_complete(op)
         if not op.algo.has_work:

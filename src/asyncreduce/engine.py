@@ -72,9 +72,9 @@ _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it 
 _DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
 # so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
 # most about this long while a thread runs small allreduces back to back
-_ASIDE_GRACE = 10e-3  # how long this thread stays aside after the last waiter gave the loop
-# back with nothing left to move: a thread that runs small operations back to back finds it
-# aside at its next one, instead of waking it from poll() to take the loop back each time
+_ASIDE_GRACE = 10e-3  # how long this thread stays aside after a direct run gave the loop back
+# with nothing left to move: a thread that runs small allreduces back to back finds it aside
+# at its next one, instead of waking it from poll() to take the loop back each time
 _SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
 _TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without the GIL (in C),
 # so another thread's post or wait is noticed within it
@@ -106,7 +106,7 @@ class Engine(FrameSink):
         self._holder = 0  # the thread ident of the driver that holds it, or 0
         self._turn = threading.Condition(threading.Lock())  # where this thread stands aside
         self._aside = False  # it does (a submit then wakes it where no driver holds the loop)
-        self._given_back = -math.inf  # when the last waiter gave the loop back
+        self._ran_at = -math.inf  # when a direct run last gave the loop back
         self._drivers: set[int] = set()  # the threads that want the loop or have it (a set:
         # an add or discard cannot be cut in half by an interrupt)
         self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
@@ -210,7 +210,7 @@ class Engine(FrameSink):
             if self._ask_for_loop(None, end):
                 return self._run_held(key, label, desc, algo, priority, posted, end, adopt)
         finally:
-            self._give_back_loop()
+            self._give_back_loop(ran=True)
         return self._posted(adopt())
 
     def _posted(self, op: Operation) -> Request[Any]:
@@ -239,12 +239,14 @@ class Engine(FrameSink):
         self._holder, self._driving = me, True
         return True
 
-    def _give_back_loop(self) -> None:
+    def _give_back_loop(self, ran: bool = False) -> None:
+        """(``ran``: after a direct run, which starts this thread's grace: ``_in_grace``.)"""
         if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
             self._holder, self._driving = 0, False
             self._owner.release()
         self._drivers.discard(threading.get_ident())
-        self._given_back = time.monotonic()
+        if ran:
+            self._ran_at = time.monotonic()
         if not self._drivers and self._has_work():
             with self._turn:
                 self._turn.notify()  # (else it looks again after its grace: _stand_aside)
@@ -515,10 +517,11 @@ class Engine(FrameSink):
             self._aside = False
 
     def _in_grace(self) -> bool:
-        """A waiter gave the loop back within ``_ASIDE_GRACE`` with nothing left to move (a
-        submit, ``wake`` or a give-back with work left notifies this thread; a direct run
-        reads and ticks for it: ``_SELF_LOOK``)."""
-        return time.monotonic() - self._given_back < _ASIDE_GRACE and not self._has_work()
+        """A direct run gave the loop back within ``_ASIDE_GRACE`` with nothing left to move
+        (a submit, ``wake`` or a give-back with work left notifies this thread; direct runs
+        read and tick for it: ``_SELF_LOOK``). Not after a waiter that drove the loop: its
+        next post is as likely an iallreduce, whose wake-up would then race its next post."""
+        return time.monotonic() - self._ran_at < _ASIDE_GRACE and not self._has_work()
 
     def _move_lane(self, lane: Lane) -> None:
         """Publish and complete what the lane can; now and then fail what must fail."""

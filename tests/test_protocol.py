@@ -560,3 +560,17 @@ def test_every_rank_works_on_the_same_operation_first_whatever_order_it_posted_t
     while session.working:
         session.work(0.0)
     assert log == ["c", "c", "a", "a", "b", "b"]
+
+
+def test_an_operation_whose_work_waited_long_goes_before_lesser_keys() -> None:
+    """The key order cannot starve one: posted 0.1 s ago or more, it goes first."""
+    wire, log = Wire(2, seed=0), []
+    session = wire.ranks[0].session
+    for name, started in (("a", 1.0), ("z", 0.5), ("b", 1.0)):
+        op = wire.make(0, "allreduce", name, np.ones(4, np.float32))
+        op.algo = _Worker(name, 1, log)  # type: ignore[assignment]
+        op.started = started
+        session.working.add(op)
+    while session.working:
+        session.work(1.05)
+    assert log == ["z", "a", "b"]

@@ -76,6 +76,7 @@ _ASIDE_GRACE = 10e-3  # how long this thread stays aside after a direct run gave
 # with nothing left to move: a thread that runs small allreduces back to back finds it aside
 # at its next one, instead of waking it from poll() to take the loop back each time
 _SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
+_TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
 _TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without the GIL (in C),
 # so another thread's post or wait is noticed within it
 
@@ -244,9 +245,9 @@ class Engine(FrameSink):
         if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
             self._holder, self._driving = 0, False
             self._owner.release()
-        self._drivers.discard(threading.get_ident())
-        if ran:
+        if ran:  # (before the discard: this thread may look at once)
             self._ran_at = time.monotonic()
+        self._drivers.discard(threading.get_ident())
         if not self._drivers and self._has_work():
             with self._turn:
                 self._turn.notify()  # (else it looks again after its grace: _stand_aside)
@@ -293,11 +294,13 @@ class Engine(FrameSink):
                 self._aborting = abort_reason
                 self._submitted.append(None)
         self.transport.wakeup()
-        if self._turn.acquire(blocking=False):  # (not from a signal handler that interrupted
-            try:  # a thread holding it: the thread then sees the close after its grace)
-                self._turn.notify()  # (aside: it stops waiting)
-            finally:
-                self._turn.release()
+        if not self._turn.acquire(timeout=_TURN_WAIT):  # held by the thread a signal handler
+            return  # interrupted to close: joining would wait for it (the thread sees the
+            # close within its grace and ends)
+        try:
+            self._turn.notify()  # (aside: it stops waiting)
+        finally:
+            self._turn.release()
         if self._thread is not threading.current_thread() and self._holder != threading.get_ident():
             self._thread.join()  # (not from a signal handler on a thread that holds the loop: the
             # thread waits for it; the interrupted turn stops at the close, and the thread ends)
@@ -327,6 +330,9 @@ class Engine(FrameSink):
             if done or self._closing.is_set() or time.monotonic() >= end:
                 return False
             os.sched_yield()  # (this thread finishes its turn the sooner)
+        if self._closing.is_set():  # (taken between this thread's last turn and its goodbye)
+            owner.release()
+            return False
         return True
 
     def _drive(self, request: Request[Any], spin: float, timeout: float | None) -> None:

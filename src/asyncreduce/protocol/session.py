@@ -48,6 +48,8 @@ log = logging.getLogger("asyncreduce.engine")
 log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
 
 
+_WORK_PATIENCE = 0.1  # seconds: an operation with work waiting this long goes first (work)
+
 class Session:
     """One rank's protocol state (see the module docstring)."""
 
@@ -262,9 +264,11 @@ class Session:
         is not stuck behind a large one's reductions for longer than one segment. The key, not
         the order of posting, so that every rank works on the same operation first when threads
         posted them in different orders: each one's segments then meet their peers' while
-        still in the cache, instead of every rank reducing another and waiting on the rest."""
+        still in the cache, instead of every rank reducing another and waiting on the rest.
+        One posted ``_WORK_PATIENCE`` ago or more goes before the keys, so a stream of
+        operations with lesser names cannot keep one waiting."""
         self._now = now
-        op = min(self.working, key=lambda o: (-o.priority, o.key))
+        op = min(self.working, key=lambda o: (-o.priority, now - o.started < _WORK_PATIENCE, o.key))
         if self._guarded(op, op.algo.work):
             self._maybe_complete(op)
         if not op.algo.has_work:

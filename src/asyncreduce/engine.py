@@ -348,10 +348,8 @@ class Engine(FrameSink):
                 self._take_submitted(driving=True)
                 self._look()
                 self._turn_rest()
-            except BaseException as exc:  # a bug: this thread raises it, and fails everything
-                self._crash = exc
-                if not isinstance(exc, Exception):
-                    raise
+            except BaseException as exc:  # a bug: the engine thread fails everything
+                self._crashed(exc)
                 return
             if request.done():
                 self.driven += 1
@@ -387,9 +385,7 @@ class Engine(FrameSink):
                 return self._taken_over(adopt())
             session.ran(key, label, desc)
         except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
-            self._crash = exc
-            if not isinstance(exc, Exception):
-                raise
+            self._crashed(exc)
             return self._failed_here(adopt())
         self.direct += 1
         return None
@@ -403,15 +399,19 @@ class Engine(FrameSink):
         try:
             quiet_numpy(lambda: self._look_and_tick(partners))
         except BaseException as exc:
-            self._crash = exc
-            if not isinstance(exc, Exception):
-                raise
+            self._crashed(exc)
             return False
         return True
 
+    def _crashed(self, exc: BaseException) -> None:
+        """A bug in a turn on a waiting thread: the engine thread fails everything; a
+        KeyboardInterrupt or the like goes on up."""
+        self._crash = exc
+        if not isinstance(exc, Exception):
+            raise exc
+
     def _look_and_tick(self, partners: Collection[int]) -> None:
-        self.transport.poll(0.0, partners)
-        self._looked = time.monotonic()
+        self._look(partners)
         self._turn_rest()
 
     def _failed_here(self, op: Operation) -> Request[Any]:
@@ -610,9 +610,9 @@ class Engine(FrameSink):
         self._looked = time.monotonic()
         self._sleeping = self._dozing = False
 
-    def _look(self) -> None:
-        """Read what came in on every connection, without waiting."""
-        self.transport.poll(0.0)
+    def _look(self, unread: Collection[int] = ()) -> None:
+        """Read what came in on every connection (but ``unread``'s), without waiting."""
+        self.transport.poll(0.0, unread)
         self._looked = time.monotonic()
 
     def _apply(self, each_alone: bool = False) -> None:

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from .errors import UsageError
 
-__all__ = ["env_number"]
+__all__ = ["env_number", "native_allowed"]
 
 _KINDS = {int: "an integer", float: "a number"}
 Number = TypeVar("Number", int, float)
@@ -33,3 +33,9 @@ def env_number(name: str, default: Number, kind: type[Number], least: float) -> 
             f"{name}={text!r}: expected {_KINDS.get(kind, kind.__name__)} >= {least:g}"
         )
     return value
+
+
+def native_allowed() -> bool:
+    """ASYNCREDUCE_NATIVE is not 0: the C helpers may be used where they were built (the
+    lane's mailbox, the direct run's look)."""
+    return env_number("ASYNCREDUCE_NATIVE", 1, int, 0) > 0

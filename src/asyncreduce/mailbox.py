@@ -42,7 +42,7 @@ import numpy as np
 
 from .algorithms import SMALL_ALLREDUCE_BYTES, Array
 from .algorithms.reduction import DType, fold_quietly
-from .envvars import env_number
+from .envvars import native_allowed
 
 try:
     from ._mailbox_core import Core
@@ -90,7 +90,7 @@ def supported() -> bool:
 def native_wanted() -> bool:
     """Whether this rank can and would use ``NativeMailbox``: it was built, and
     ASYNCREDUCE_NATIVE is not 0."""
-    return Core is not None and env_number("ASYNCREDUCE_NATIVE", 1, int, 0) > 0
+    return Core is not None and native_allowed()
 
 
 def open_mailbox(rank: int, mine: Array, peers: dict[int, Array], native: bool) -> Mailbox:

@@ -29,7 +29,7 @@ import socket
 from collections import deque
 from collections.abc import Collection
 
-from ..envvars import env_number
+from ..envvars import native_allowed
 from .base import ELSEWHERE, FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
@@ -63,7 +63,7 @@ _BURST_BYTES = 4 << 20  # written to one peer before incoming frames are read ag
 def native_take_wanted() -> bool:
     """Whether ``take_frame`` looks in C (``_stream_core``): it was built, and
     ASYNCREDUCE_NATIVE is not 0. Each rank on its own: the bytes on the wire are the same."""
-    return native_take is not None and env_number("ASYNCREDUCE_NATIVE", 1, int, 0) > 0
+    return native_take is not None and native_allowed()
 
 
 class TcpTransport(Transport):

@@ -483,3 +483,21 @@ def test_a_connection_is_quiet_only_with_nothing_queued_or_half_read(native: boo
     assert not tb.quiet(5, 64)  # no such peer
     ta.close()
     tb.close()
+
+
+def test_send_now_says_whether_the_frame_left_whole_and_keeps_the_order() -> None:
+    """``send_now`` (a direct run's send): True for a frame that went straight into the
+    socket; False for one that did not leave whole (the loop writes the rest) and for one
+    behind a queue (it waits its turn, as ``send``'s frames do), which all arrive in order."""
+    ta, sa, tb, sb = tcp_pair()
+    small = os.urandom(1024)
+    assert ta.send_now(1, *frame(b"op", small, step=1), 0)
+    big = os.urandom(32 << 20)  # far more than the socket holds
+    assert not ta.send_now(1, *frame(b"op", big, step=2), 0)
+    assert not ta.quiet(1, 64)
+    assert not ta.send_now(1, *frame(b"op", small, step=3), 0)  # behind the rest of it
+    pump(ta, tb, until=lambda: len(sb.frames) == 3)
+    assert [(h.step, p) for _, h, p in sb.frames] == [(1, small), (2, big), (3, small)]
+    assert sa.sent == [None, None, None] and not sb.lost
+    ta.close()
+    tb.close()

@@ -122,7 +122,8 @@ class Communicator(BlockingCalls):
         return plan.result() if made is None else made.wait()
 
     def _allreduce_plan(self, x: Any, op: str, inplace: bool) -> Plan:
-        buf = self._on_device(x, inplace) or as_buffer(x, "x", inplace=inplace)
+        on_device = self._backend.devices and self._on_device(x, inplace)  # (most: numpy, CPU)
+        buf = on_device or as_buffer(x, "x", inplace=inplace)
         self._check_reduction(op, buf)
         return Plan("allreduce", buf, lambda: buf.original, op)
 
@@ -489,7 +490,7 @@ class Communicator(BlockingCalls):
             )
         if self._closed or (self._parent is not None and self._parent._closed):
             raise ClosedError(f"{kind}: the communicator is closed")
-        if self._forked():
+        if forks.generation() != self._generation:  # (inline: every post asks)
             self._check_process(kind)
         refused = self._backend.refusal(plan, priority)
         if refused is not None:

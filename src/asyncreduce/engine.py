@@ -180,7 +180,7 @@ class Engine(FrameSink):
         spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
         try:
             if self._ask_for_loop(request, time.monotonic() + spin):
-                quiet_numpy(lambda: self._drive(request, spin, timeout))
+                quiet_numpy(self._drive, request, spin, timeout)
         finally:
             self._give_back_loop()
 
@@ -201,12 +201,13 @@ class Engine(FrameSink):
         on, its deadline counted from the take-over), a close, another thread's post or wait."""
         settings = self.settings
         if not (settings.direct and settings.spin) or self._closing.is_set() or (
-            self._crash is not None or self._forked()
+            self._crash is not None or forks.generation() != self._generation
         ):
             return self._posted(adopt())
         posted = time.monotonic()
         end = posted + (_DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout))
-        self._refuse_reentry(label)
+        if self._holder == threading.get_ident():
+            self._refuse_reentry(label)
         try:
             if self._ask_for_loop(None, end):
                 return self._run_held(key, label, desc, algo, priority, posted, end, adopt)
@@ -379,7 +380,7 @@ class Engine(FrameSink):
             return self._posted(adopt())  # (the loop takes it, behind what is there)
         heard: list[int] = []
         try:
-            done = quiet_numpy(lambda: self._exchange(key, desc, algo, priority, end, heard))
+            done = quiet_numpy(self._exchange, key, desc, algo, priority, end, heard)
             session.heard_from(heard, time.monotonic())
             if not done or session.broken is not None:  # (broken: a send found a peer gone)
                 return self._taken_over(adopt())
@@ -397,7 +398,7 @@ class Engine(FrameSink):
         ``take_frame``, which hands anything else to the reader); False after a bug
         (``_crash``: the engine thread fails everything)."""
         try:
-            quiet_numpy(lambda: self._look_and_tick(partners))
+            quiet_numpy(self._look_and_tick, partners)
         except BaseException as exc:
             self._crashed(exc)
             return False
@@ -434,8 +435,8 @@ class Engine(FrameSink):
             for s in sends:
                 payload = bytes_of(s.payload)
                 head = heads[s.step] = data_head(key, s.step, s.seg, payload.nbytes, desc)
-                transport.send(s.dst, head, payload, priority, None)
-                if not transport.quiet(s.dst, 0):
+                sent = transport.send_now(s.dst, head, payload, priority)
+                if not sent:
                     return False
             awaited = algo.awaited
             if awaited is None:

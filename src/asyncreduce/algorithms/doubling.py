@@ -60,7 +60,7 @@ class RecursiveDoubling(Collective):
     def awaited(self) -> tuple[int, int] | None:
         """(the rank, the step) of the message this rank needs next; None once done. A
         caller that moves the messages itself (``Engine.run``) reads which one to take."""
-        if self.done:
+        if self._received == self._expected:  # (done, without the property: every look asks)
             return None
         step = self._last_step if self._sits_out else self._step
         return self._sources[step], step
@@ -83,8 +83,8 @@ class RecursiveDoubling(Collective):
     def takes_view(self, src: int, step: int, seg: int) -> bool:
         """The message this rank waits for now (not the final result): combined straight from
         the view, with no copy of the buffer to receive into."""
-        current = not self.done and step == self._step and step != self._last_step
-        return current and seg == 0 and self._sources.get(step) == src
+        current = step == self._step and step != self._last_step and seg == 0
+        return current and self._received != self._expected and self._sources.get(step) == src
 
     def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
         if not self.takes_view(src, step, seg):

@@ -213,15 +213,15 @@ def fold_quietly(
         _ERRSTATE.reset(token)
 
 
-def quiet_numpy(call: Callable[[], Result]) -> Result:
-    """``call()`` with numpy's floating-point warnings off for it alone (a caller's thread
+def quiet_numpy(call: Callable[..., Result], *args: Any) -> Result:
+    """``call(*args)`` with numpy's floating-point warnings off for it alone (a caller's thread
     that runs the engine's loop, which reduces as the progress thread does)."""
     if _ERRSTATE is None:
         with np.errstate(all="ignore"):
-            return call()
+            return call(*args)
     token = _ERRSTATE.set(_QUIET)
     try:
-        return call()
+        return call(*args)
     finally:
         _ERRSTATE.reset(token)
 

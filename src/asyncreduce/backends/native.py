@@ -16,7 +16,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..algorithms import Collective, RecursiveDoubling, Translated, build
+from ..algorithms import SMALL_ALLREDUCE_BYTES, Collective, RecursiveDoubling, Translated, build
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -65,7 +65,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._known: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # _described
+        self._known: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # _descriptor
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -85,7 +85,9 @@ class NativeBackend(EngineBackend):
         """``plan``'s algorithm as the engine runs it (a group's renumbered), its descriptor,
         logged; where the lane is open, an unnamed one it does not take is noted in its slot
         (every unnamed operation takes one)."""
-        algo, desc = built(plan, self.rank, self.world_size, self.planes)
+        algo, desc = self._small_allreduce(plan) or built(
+            plan, self.rank, self.world_size, self.planes
+        )
         if self.lane is not None and not key[0]:
             self.lane.note(key[1], desc)
         if self._translated:
@@ -125,6 +127,18 @@ class NativeBackend(EngineBackend):
 
         return lane.run(key[1], head, plan.buf, plan.op or "sum", timeout, adopt)
 
+    def _small_allreduce(self, plan: Plan) -> tuple[Collective, Descriptor] | None:
+        """What ``built`` makes of a small allreduce (recursive doubling: no shared memory
+        under ``SMALL_ALLREDUCE_BYTES``), its descriptor kept (``_descriptor``): the most
+        frequent operation, whose general build cost as much as a look at the wire. None
+        for any other."""
+        buf = plan.buf
+        if plan.kind != "allreduce" or buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:
+            return None
+        op = plan.op or "sum"
+        algo = RecursiveDoubling(self.rank, self.world_size, buf.flat, buf.dtype, op)
+        return algo, self._descriptor(plan)[0]
+
     def _lane_op(
         self, plan: Plan, key: Key, label: str, timeout: float | None, desc: Descriptor,
         posted: float = 0.0,
@@ -138,6 +152,13 @@ class NativeBackend(EngineBackend):
         refused = self.engine.refusal(label)
         if refused is not None:
             raise refused
+        found = self._descriptor(plan)
+        log_post(self.rank, label, found[0])
+        return found
+
+    def _descriptor(self, plan: Plan) -> tuple[Descriptor, Header]:
+        """A small allreduce's descriptor and lane slot header, kept per dtype, reduction and
+        count (a loop posts the same few): building them costs more than a look."""
         buf = plan.buf
         same = (buf.dtype.code, plan.op or "sum", buf.flat.size)
         found = self._known.get(same)
@@ -146,7 +167,6 @@ class NativeBackend(EngineBackend):
                 self._known.clear()
             desc = plan.descriptor(0, buf.dtype.code)
             found = self._known[same] = (desc, header(HERE, desc))
-        log_post(self.rank, label, found[0])
         return found
 
     def open_lane(self, mailbox: Mailbox) -> None:

@@ -110,6 +110,13 @@ class Transport(ABC):
         that says False, and every frame takes its queue and its reader."""
         return False
 
+    def send_now(self, peer: int, head: bytes, payload: memoryview, priority: int) -> bool:
+        """``send`` to a ``quiet`` peer, for a caller that goes on only if the frame left
+        whole (``Engine.run``): whether it did (what did not is queued and written as
+        ``send``'s frames are)."""
+        self.send(peer, head, payload, priority, None)
+        return self.quiet(peer, 0)
+
     def take_frame(
         self, peer: int, head: bytes, size: int, seconds: float = 0.0
     ) -> memoryview | None:

@@ -123,6 +123,14 @@ class TcpTransport(Transport):
         if not target.inflight and not target.writing:  # writing: poll() flushes when it may
             self._flush(target)
 
+    def send_now(self, peer: int, head: bytes, payload: memoryview, priority: int) -> bool:
+        target = self._peers.get(peer)
+        if target is None or target.queue or target.inflight or target.writing or (
+            target.arena_out is not None and payload.nbytes >= SHM_MIN_BYTES
+        ):  # fmt: skip  # (not quiet, or gone: as send does it)
+            return super().send_now(peer, head, payload, priority)
+        return self._send_now(target, head, payload, None, (-priority, 0, 0))
+
     def _send_now(
         self,
         peer: Connection,
@@ -130,9 +138,10 @@ class TcpTransport(Transport):
         payload: memoryview,
         token: object,
         order: tuple[int, int, int],
-    ) -> None:
+    ) -> bool:
         """A frame to an idle connection: straight into the socket, no queueing (the common
-        case of a small operation); what does not fit is queued in flight as usual."""
+        case of a small operation); what does not fit is queued in flight as usual. Whether
+        it left whole."""
         try:
             n = peer.sock.sendmsg([head, payload])
         except (BlockingIOError, InterruptedError):
@@ -140,12 +149,13 @@ class TcpTransport(Transport):
         except OSError as exc:
             peer.inflight.append(Outgoing(order, head, payload, token))
             self._lose(peer, exc)  # which reports it unsent
-            return
+            return False
         if n == len(head) + payload.nbytes:
             self.sink.on_sent(token)
-            return
+            return True
         peer.inflight.append(Outgoing(order, head, payload, token, n))
         self._want_write(peer, True)
+        return False
 
     def _flush(self, peer: Connection) -> None:
         """Write queued frames until the socket is full; several small frames per sendmsg.
@@ -299,9 +309,11 @@ class TcpTransport(Transport):
         self, target: Connection, head: bytes, whole: int, room: memoryview, seconds: float
     ) -> memoryview | None:
         offset = 0
-        if self._begun is not None and self._begun[0] is target:
-            offset, self._begun = self._begun[1], None
-        self._settle_begun()
+        if self._begun is not None:
+            if self._begun[0] is target:
+                offset, self._begun = self._begun[1], None
+            else:
+                self._settle_begun()
         found, n = native_take(target.sock.fileno(), head, room, whole, seconds, offset)
         if found == FRAME:
             return room[len(head) : whole]

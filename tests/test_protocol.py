@@ -301,6 +301,49 @@ def test_past_the_hold_cap_the_sender_holds_back_and_all_completes(
     for (rank, name), buf in buffers.items():
         assert outcome(wire.ranks[rank].requests[name]) is None
         np.testing.assert_allclose(buf, expected(n, count, len(name)), rtol=1e-5)
+    for rank in range(n):  # the hold ended once the slow rank held little (Resume)
+        flow = wire.ranks[rank].session.flow
+        assert not (flow.told or flow.holding_back or flow.kept), (rank, flow.told)
+        assert wire.ranks[rank].session.quiet((b"next", 0), wire.ranks[rank].now)
+
+
+@fast
+@given(n=st.integers(2, 5), seed=SEEDS, data=st.data())
+def test_a_hold_ends_once_little_is_held_and_is_said_again_past_the_cap(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    """Back-pressure comes and goes: a rank that held past the cap says Hold, then Resume
+    once it holds at most a quarter of it (every sender sends as it comes again, and no
+    Posted goes out for later operations); past the cap again, Hold again; all completes."""
+    count, cap = 1000, 4000 * 4  # each operation's frame: 4000 bytes
+    wire = Wire(n, seed, Settings(held_bytes=cap, spin=0.0))
+    slow, fast_ranks = n - 1, range(n - 1)
+    buffers: dict[tuple[int, str], np.ndarray] = {}
+
+    def post(ranks: range | list[int], names: list[str]) -> None:
+        for name in names:
+            for rank in ranks:
+                buffers[rank, name] = values(rank, count, len(name))
+                wire.post(rank, "allreduce", name, buffers[rank, name])
+
+    for phase in ("a", "b"):  # twice past the cap, each time drained
+        names = [f"{phase}{i}" for i in range(8)]
+        post(fast_ranks, names)
+        wire.run()
+        flow = wire.ranks[slow].session.flow
+        assert flow.told, (phase, "past the cap, the slow rank told nobody to hold")
+        post([slow], names[::-1])
+        for _ in range(data.draw(st.integers(0, 20))):
+            wire.step()
+        wire.run()
+        assert not flow.told and not any(
+            wire.ranks[r].session.flow.holding_back for r in fast_ranks
+        ), (phase, "the hold did not end")
+    post(range(n), ["after"])
+    wire.run()
+    for (rank, name), buf in buffers.items():
+        assert outcome(wire.ranks[rank].requests[name]) is None, (rank, name)
+        np.testing.assert_allclose(buf, expected(n, count, len(name)), rtol=1e-5)
 
 
 @fast
@@ -382,6 +425,7 @@ def test_close_fails_what_is_pending_and_what_was_posted_late(
 def test_frames_held_back_for_a_rank_that_says_goodbye_are_let_go(seed: int) -> None:
     wire = Wire(2, seed, Settings(held_bytes=0, spin=0.0))
     wire.post(0, "allreduce", "x", np.ones(4, np.float32))  # unexpected at rank 1: past the cap
+    wire.post(0, "broadcast", "y", np.ones(4, np.float32), root=0)  # held for good: the hold stays
     wire.run()
     assert wire.ranks[0].session.flow.holding_back == {1: set()}, "rank 1 never said Hold"
     wire.post(1, "allreduce", "x", np.ones(4, np.float32))
@@ -393,6 +437,7 @@ def test_frames_held_back_for_a_rank_that_says_goodbye_are_let_go(seed: int) -> 
     wire.run()
     assert outcome(wire.ranks[0].requests["b"]) is None  # the root needs nothing from rank 1
     assert outcome(wire.ranks[0].requests["x"]) is None
+    assert outcome(wire.ranks[0].requests["y"]) is None
     wire.tick(100.0)  # long past the peer timeout: a departed rank is not silent
     assert 1 not in wire.ranks[0].session.liveness.silent(wire.ranks[0].now)
     assert not isinstance(wire.ranks[0].session.broken, TimeoutError)

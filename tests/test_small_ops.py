@@ -355,6 +355,43 @@ def test_a_rank_that_never_runs_them_directly_agrees_with_those_that_do() -> Non
     assert results[0]["direct"] > 0 and results[2]["direct"] > 0
 
 
+def body_after_back_pressure(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank 0 posts eight 256 KiB named allreduces while rank 1 sleeps (a 64 KiB cap:
+    rank 1 says Hold), then rank 1 posts them in the other order; then 100 blocking 1 KiB
+    ones. Returns whether rank 1 said Hold, whether every hold ended, the values' check,
+    and how many of the small ones ran directly."""
+    engine, flow = _engine(comm), _engine(comm).session.flow
+    xs = {f"big{i}": np.full(64 << 10, comm.rank + i, np.float32) for i in range(8)}
+    names = list(xs) if comm.rank == 0 else list(xs)[::-1]
+    if comm.rank == 1:
+        time.sleep(1.0)  # rank 0's frames arrive for operations not posted here
+    held = bool(flow.told)
+    ar.wait_all([comm.iallreduce(xs[name], name=name) for name in names])
+    comm.barrier()
+    time.sleep(0.3)  # (a Resume in flight lands; the beat after it has gone)
+    before = engine.direct
+    x = np.ones(256, np.float32)
+    for _ in range(100):
+        x[:] = comm.rank + 1
+        comm.allreduce(x)
+    exact = all(np.all(v == 1 + 2 * int(n[3:])) for n, v in xs.items()) and np.all(x == 3)
+    return {"held": held, "holds": bool(flow.told or flow.holding_back or flow.kept),
+            "exact": bool(exact), "direct": engine.direct - before}  # fmt: skip
+
+
+def test_back_pressure_ends_and_small_operations_run_directly_again() -> None:
+    """A hold (flow.py) ends once the slow rank took what it held: the senders send as it
+    comes again, and the small blocking allreduces after it run on the caller's thread (a
+    hold for good kept them off it, ``Session.quiet``, and cost every operation a Posted)."""
+    env = {**TCP, "ASYNCREDUCE_HELD_BYTES": str(64 << 10)}
+    results = run_ranks(2, body_after_back_pressure, env=env, timeout=60)
+    assert results[1]["held"], "rank 1 never told rank 0 to hold: the test tests nothing"
+    for rank, got in results.items():
+        assert got["exact"], f"rank {rank}: wrong values"
+        assert not got["holds"], f"rank {rank}: the hold did not end"
+        assert got["direct"] >= 50, f"rank {rank}: only {got['direct']} of 100 ran directly"
+
+
 def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:
     """Blocking 1 KiB allreduces back to back; at the 50th, rank 2 posts 257 floats instead
     of 256. Returns how many completed, and the error the 50th ended with."""

@@ -235,8 +235,10 @@ class Wire:
         if (src, dst) in self.lost or state.closed and header.type != GOODBYE:
             return
         session = state.session
-        if header.type == FLOW:
+        if header.type == FLOW and header.instance == 1:  # Hold (2: Resume)
             self._told_to_hold.add((dst, src))
+        elif header.type == FLOW:
+            self._told_to_hold.discard((dst, src))
         if header.type == DATA and self.rng.random() < 0.3:
             staging = bytearray(payload)
             taken = session.on_view(src, header, memoryview(staging), state.now)

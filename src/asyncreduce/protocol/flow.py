@@ -7,7 +7,10 @@ each one it posts later): from then on the peer keeps the frames of other operat
 memory (the caller's buffers, no copy) until this rank posts them, a rendezvous that costs a
 round trip only where this rank is late anyway. The connection itself is never paused, so what
 this rank waits for is never stuck behind what it cannot take: back-pressure slows a fast rank
-down, it cannot deadlock.
+down, it cannot deadlock. Once this rank holds no more than a quarter of the cap, it sends a
+``Resume``: the peer sends what it kept back and everything as it comes again (a hold for
+good would cost every later operation a ``Posted`` and the peer's wait for it, and keep the
+small ones off the direct run, ``Session.quiet``).
 
 Two sides, one class: ``holding_back`` (peers that told this rank to hold) with the keys they
 posted since and the frames kept back for them, and ``told`` (peers this rank told to hold).
@@ -47,6 +50,22 @@ class Flow:
         """Whether a frame of ``key`` may go to ``peer`` now (not told to hold, or posted there)."""
         posted = self.holding_back.get(peer)
         return posted is None or key in posted
+
+    def drained(self, held: int) -> list[int]:
+        """Holding ``held`` bytes now: the peers told to hold that may send freely again
+        (forgotten as told). At most a quarter of the cap: a hold ends well below where it
+        began, so a rank near the cap does not say Hold and Resume at every frame."""
+        if not self.told or held > self.cap // 4:
+            return []
+        peers = sorted(self.told)
+        self.told.clear()
+        return peers
+
+    def resumed(self, peer: int, live: Callable[[Operation], bool]) -> list[KeptFrame]:
+        """``peer`` ended its hold: the frames kept back for it, in their order, that may all
+        go now (those of operations no longer ``live`` are forgotten)."""
+        self.holding_back.pop(peer, None)
+        return [frame for frame in self.kept.pop(peer, []) if live(frame[0])]
 
     def keep_back(self, peer: int, frame: KeptFrame) -> None:
         self.kept.setdefault(peer, []).append(frame)

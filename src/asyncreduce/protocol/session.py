@@ -153,6 +153,8 @@ class Session:
         if self.liveness.departed and self.matching.live(op):
             self._fail_what_needs_the_departed(op, posted=True)
         self._maybe_complete(op)
+        if self.flow.told:  # (its early frames are no longer held)
+            self._resume_drained()
 
     def buffer_for(self, peer: int, header: Header) -> memoryview | None:
         """Where a DATA payload from ``peer`` should land (the algorithm's buffer, or a spare
@@ -248,6 +250,8 @@ class Session:
                 self._fail_everywhere(op, timed_out(op, self.rank, op.algo.pending_sources))
         if not self.liveness.beat_due(now):
             return
+        if self.flow.told:  # (held frames also go when their operation fails here)
+            self._resume_drained()
         self._control(self.liveness.open_peers(), wire.Beat())
         silent = self.liveness.silent(now)
         for op in list(self.matching.ops.values()):
@@ -306,8 +310,9 @@ class Session:
             if self.flow.start_holding(peer):  # send it only what it has posted from now on
                 self.commands.append((do.WITHDRAW, peer))
         elif isinstance(message, wire.Posted):
-            for op, head, payload in self.flow.posted_there(peer, message.key, self.matching.live):
-                self.commands.append((do.SEND, peer, head, payload, op.priority, op, op.age))
+            self._send_kept(peer, self.flow.posted_there(peer, message.key, self.matching.live))
+        elif isinstance(message, wire.Resume):
+            self._send_kept(peer, self.flow.resumed(peer, self.matching.live))
         elif isinstance(message, wire.Ask):
             answer = self.matching.answer(message.key)
             self._control((peer,), wire.Answer(message.key, message.desc, answer))
@@ -355,6 +360,15 @@ class Session:
                 continue
             self._fail_everywhere(op, BrokenError(why))
             return
+
+    def _send_kept(self, peer: int, frames: list[KeptFrame]) -> None:
+        for op, head, payload in frames:
+            self.commands.append((do.SEND, peer, head, payload, op.priority, op, op.age))
+
+    def _resume_drained(self) -> None:
+        """Peers told to hold may send freely again once this rank holds little (flow.py)."""
+        for peer in self.flow.drained(self.matching.unexpected_bytes):
+            self._control((peer,), wire.Resume())
 
     def _control(self, peers: Iterable[int], message: Control) -> None:
         """Send ``message`` to each of ``peers``, encoded once."""

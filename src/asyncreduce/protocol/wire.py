@@ -10,6 +10,7 @@ never reads ``seg`` or ``instance`` itself:
     message   frame type   key (name, instance)   seg              payload
     Beat      HEARTBEAT    -                      -                -
     Hold      FLOW         - (instance 1)         -                -
+    Resume    FLOW         - (instance 2)         -                -
     Posted    INQUIRY      the operation          POSTED           -
     Ask       INQUIRY      the operation          ASK              -
     Answer    INQUIRY      the operation          the answer       -
@@ -42,7 +43,7 @@ from ..transport.frame import (
 __all__ = [
     "ON_DEVICE", "Key", "data_head", "describe", "mismatch_hint", "payload_bytes",
     "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED", "ANSWERS",
-    "Beat", "Hold", "Posted", "Ask", "Answer", "Failed", "Abort", "Control",
+    "Beat", "Hold", "Resume", "Posted", "Ask", "Answer", "Failed", "Abort", "Control",
     "encode", "decode", "NO_DESC",
 ]  # fmt: skip
 
@@ -75,6 +76,10 @@ class Beat(NamedTuple):
 
 class Hold(NamedTuple):
     """"I hold too much of yours: from now on send me only what I posted" (back-pressure)."""
+
+
+class Resume(NamedTuple):
+    """"I hold little of yours again: send me everything as it comes" (ends a ``Hold``)."""
 
 
 class Posted(NamedTuple):
@@ -114,10 +119,11 @@ class Abort(NamedTuple):
     reason: str
 
 
-Control = Beat | Hold | Posted | Ask | Answer | Failed | Abort
+Control = Beat | Hold | Resume | Posted | Ask | Answer | Failed | Abort
 
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, NO_DESC)
 _HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, NO_DESC)
+_RESUME = pack_header(FLOW, b"", 2, 0, 0, 0, NO_DESC)
 
 
 def _reason_bytes(reason: str) -> bytes:
@@ -130,6 +136,8 @@ def encode(message: Control) -> tuple[bytes, bytes]:
         return _BEAT, b""
     if isinstance(message, Hold):
         return _HOLD, b""
+    if isinstance(message, Resume):
+        return _RESUME, b""
     if isinstance(message, Abort):
         reason = _reason_bytes(message.reason)
         return pack_header(ABORT, b"", 0, 0, 0, len(reason), NO_DESC), reason
@@ -151,7 +159,7 @@ def decode(header: Header, payload: memoryview | bytes) -> Control | None:
     if kind == HEARTBEAT:
         return Beat()
     if kind == FLOW:
-        return Hold() if header.instance == 1 else None
+        return Hold() if header.instance == 1 else Resume() if header.instance == 2 else None
     if kind == ABORT:
         return Abort(bytes(payload).decode(errors="replace"))
     if kind == ERROR:

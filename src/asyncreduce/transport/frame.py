@@ -15,7 +15,8 @@ HEARTBEAT frame (empty) says the sender is alive even when it has nothing to sen
 frame (no key) says the sender's communicator broke, and why, so the receiver's breaks too; an
 INQUIRY frame (a key, no payload; ``seg`` says question, answer or "posted here") serves the
 stall inspector and flow control; a FLOW frame (no key; ``instance`` 1) asks the receiver
-to send from now on only the frames of operations the sender has posted (back-pressure). A
+to send from now on only the frames of operations the sender has posted (back-pressure), and
+one with ``instance`` 2 ends that. A
 DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
@@ -57,7 +58,7 @@ CREDIT: Final = 4
 HEARTBEAT: Final = 5  # "still here": sent to every peer about once a second
 ABORT: Final = 6  # "my communicator broke, and so must yours": the reason is the payload
 INQUIRY: Final = 7  # the stall inspector: "what do you know of this key?" and its answer
-FLOW: Final = 8  # back-pressure: "from now on, send me only what I posted" (instance 1)
+FLOW: Final = 8  # back-pressure: "send me only what I posted" (instance 1), "all again" (2)
 _UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT, FLOW)
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header

@@ -557,8 +557,11 @@ def test_a_session_is_quiet_only_with_nothing_in_flight_kept_due_or_broken() -> 
         undo()
         assert session.quiet(key, 0.0)
     session.heard_from([1], 0.5)
-    session.ran(key, "allreduce #0", session.matching.done[(b"x", 0)])
+    session.ran(key, "allreduce #0", session.matching.done[(b"x", 0)], 0, 0.25, 0.5)
     assert session.matching.done[key] and session.liveness.heard[1] == 0.5  # remembered, heard
+    recorded = [r for r in session.flight.snapshot()["records"] if r["name"] == "next"]
+    assert [(r["instance"], r["state"]) for r in recorded] == [(0, "done")]  # and recorded
+    assert recorded[0]["finished_at"] - recorded[0]["posted_at"] == pytest.approx(0.25)
     wire.goodbye(1)
     wire.run()
     assert not session.quiet((b"later", 0), 0.5)  # rank 1 said goodbye

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ import asyncreduce as ar
 from asyncreduce import engine as engine_module
 from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
 from asyncreduce.engine import Engine
+from asyncreduce.flight import culprit, load_dumps
 from asyncreduce.protocol import Settings
 from spmd import in_threads, run_ranks
 from wire import Wire
@@ -390,6 +392,32 @@ def test_back_pressure_ends_and_small_operations_run_directly_again() -> None:
         assert got["exact"], f"rank {rank}: wrong values"
         assert not got["holds"], f"rank {rank}: the hold did not end"
         assert got["direct"] >= 50, f"rank {rank}: only {got['direct']} of 100 ran directly"
+
+
+def body_flight_of_direct_runs(comm: ar.Communicator, where: str) -> int:
+    """100 blocking 1 KiB allreduces (unnamed, then "named"), then the flight record dumped
+    to ``where``; returns how many ran directly."""
+    x = np.ones(256, np.float32)
+    for i in range(100):
+        comm.allreduce(x, name="named" if i >= 50 else None)
+    comm.barrier()
+    comm.dump_flight_record(where)
+    return _engine(comm).direct
+
+
+def test_direct_runs_are_in_the_flight_record_and_culprit_finds_nothing(tmp_path: Path) -> None:
+    """A rank that runs them on its caller's thread records them as one that never does
+    (``ASYNCREDUCE_DIRECT=0``): ``culprit`` finds the ranks alike, where it used to say that
+    the second posted what the first never did."""
+    results = run_ranks(2, body_flight_of_direct_runs, str(tmp_path), env=TCP,
+                        rank_env={1: {"ASYNCREDUCE_DIRECT": "0"}}, timeout=60)  # fmt: skip
+    assert results[0] >= 50 and results[1] == 0, results
+    dumps = load_dumps([str(tmp_path)])
+    assert culprit(dumps) == ["every rank posted the same operations and none failed"]
+    for dump in dumps:
+        done = {(r["name"], r["instance"]) for r in dump["records"] if r["state"] == "done"}
+        want = {("", i) for i in range(50)} | {("named", i) for i in range(50)}
+        assert want <= done, (dump["rank"], sorted(want - done)[:5])
 
 
 def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:

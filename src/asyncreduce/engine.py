@@ -381,10 +381,11 @@ class Engine(FrameSink):
         heard: list[int] = []
         try:
             done = quiet_numpy(self._exchange, key, desc, algo, priority, end, heard)
-            session.heard_from(heard, time.monotonic())
+            now = time.monotonic()
+            session.heard_from(heard, now)
             if not done or session.broken is not None:  # (broken: a send found a peer gone)
                 return self._taken_over(adopt())
-            session.ran(key, label, desc)
+            session.ran(key, label, desc, priority, posted, now)
         except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
             self._crashed(exc)
             return self._failed_here(adopt())

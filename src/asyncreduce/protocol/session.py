@@ -107,11 +107,14 @@ class Session:
         for peer in peers:
             heard[peer] = now
 
-    def ran(self, key: Key, label: str, desc: Descriptor) -> None:
-        """Operation ``key`` ran around the session to the end (``Engine.run``): it is
-        remembered as done, so a frame that still came for it would be judged as for any other
-        operation that ended."""
+    def ran(
+        self, key: Key, label: str, desc: Descriptor, priority: int, posted: float, now: float
+    ) -> None:
+        """Operation ``key`` ran around the session to the end (``Engine.run``), posted at
+        ``posted``: it is remembered as done, so a frame that still came for it would be
+        judged as for any other operation that ended, and so does the flight recorder."""
         self.matching.remember_done(key, desc)
+        self.flight.ran(key[0], key[1], desc, priority, posted, now)
         if log_ops.isEnabledFor(logging.DEBUG):
             log_ops.debug("rank %d ends %s: done", self.rank, label)
 

@@ -425,7 +425,7 @@ def test_close_fails_what_is_pending_and_what_was_posted_late(
 def test_frames_held_back_for_a_rank_that_says_goodbye_are_let_go(seed: int) -> None:
     wire = Wire(2, seed, Settings(held_bytes=0, spin=0.0))
     wire.post(0, "allreduce", "x", np.ones(4, np.float32))  # unexpected at rank 1: past the cap
-    wire.post(0, "broadcast", "y", np.ones(4, np.float32), root=0)  # held for good: the hold stays
+    wire.post(0, "broadcast", "y", np.ones(4, np.float32), root=0)  # never posted at rank 1
     wire.run()
     assert wire.ranks[0].session.flow.holding_back == {1: set()}, "rank 1 never said Hold"
     wire.post(1, "allreduce", "x", np.ones(4, np.float32))

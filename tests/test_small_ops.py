@@ -456,6 +456,52 @@ def test_a_rank_that_posts_another_size_fails_every_rank_with_a_mismatch() -> No
         assert got["direct"] >= 10, f"rank {rank}: {got['direct']} direct"
 
 
+def body_barriers(comm: ar.Communicator) -> dict[str, Any]:
+    """60 blocking barriers (unnamed, then "named"), before every other one a random rank
+    late by up to 20 ms (every rank draws the same from a shared seed); returns when each
+    rank entered and left each one (one host: one clock), and how many ran directly."""
+    rng = np.random.default_rng(7)
+    entered, left = [], []
+    for i in range(60):
+        late, delay = int(rng.integers(comm.world_size)), float(rng.uniform(0, 0.02))
+        if comm.rank == late and i % 2:
+            time.sleep(delay)
+        entered.append(time.time())
+        comm.barrier(name="named" if i >= 30 else None)
+        left.append(time.time())
+    return {"entered": entered, "left": left, "direct": _engine(comm).direct}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_blocking_barrier_runs_on_the_callers_thread_and_waits_for_every_rank(n: int) -> None:
+    """The dissemination barrier runs as a small allreduce does (``Engine.run``: a power of
+    two or not): no rank leaves one before the last rank entered it."""
+    results = run_ranks(n, body_barriers, env=TCP, timeout=60)
+    for i in range(60):
+        last_in = max(got["entered"][i] for got in results.values())
+        first_out = min(got["left"][i] for got in results.values())
+        assert first_out >= last_in, f"barrier {i}: a rank left {last_in - first_out:.6f} s early"
+    for rank, got in results.items():
+        assert got["direct"] >= 10, f"rank {rank}: only {got['direct']} of 60 ran directly"
+
+
+def body_barrier_against_allreduce(comm: ar.Communicator) -> str:
+    """Rank 1 posts a 1-float allreduce where the others post their 21st barrier."""
+    for _ in range(20):
+        comm.barrier()
+    with pytest.raises(ar.MismatchError) as info:
+        if comm.rank == 1:
+            comm.allreduce(np.ones(1, np.float32))
+        else:
+            comm.barrier()
+    return str(info.value)
+
+
+def test_a_barrier_against_another_operation_fails_every_rank_with_a_mismatch() -> None:
+    for rank, error in run_ranks(3, body_barrier_against_allreduce, env=TCP, timeout=60).items():
+        assert "barrier" in error and "allreduce float32[1]" in error, (rank, error)
+
+
 def body_direct_for_a_while(comm: ar.Communicator) -> dict[str, Any]:
     """Blocking 4-float allreduces back to back for 1.5 s by rank 0's clock (it says stop in
     the data, so every rank stops at the same one), with a peer timeout of 0.3 s (a beat due

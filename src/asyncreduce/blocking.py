@@ -4,7 +4,8 @@ Theory of operation. As in mpi4py, an ``i`` prefix marks the call that starts an
 returns its ``Request`` at once; the call without it is that one plus a wait, with the same
 arguments, so it raises what the operation raised (or TimeoutError for ``timeout``). Only the
 non-blocking calls check arguments and post; these only wait. ``Communicator`` mixes them in,
-and has its own ``allreduce`` (the same, but faster on the same-host lane: comm.py).
+and has its own ``allreduce`` and ``barrier`` (the same, but faster where they can run on the
+calling thread: comm.py).
 """
 
 from __future__ import annotations
@@ -69,7 +70,3 @@ class BlockingCalls:
     def recv(self, x: Any, src: int, **kwargs: Any) -> Any:
         """``irecv(...).wait()``."""
         return self.irecv(x, src, **kwargs).wait()
-
-    def barrier(self, **kwargs: Any) -> None:
-        """``ibarrier(...).wait()``."""
-        self.ibarrier(**kwargs).wait()

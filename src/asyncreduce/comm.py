@@ -113,8 +113,17 @@ class Communicator(BlockingCalls):
         needs to move (``Lane.run`` where the same-host lane takes it, else ``Engine.run``
         over the sockets): no request, no hand-off to another thread; it is the call most
         small operations make."""
+        return self._run(self._allreduce_plan(x, op, inplace), name, priority, timeout)
+
+    def barrier(self, *, name: str | None = None, timeout: float | None = None) -> None:
+        """``ibarrier(...).wait()``, on this thread where nothing else needs to move, as
+        ``allreduce``: it is as short."""
+        self._run(self._barrier_plan(), name, 0, timeout)
+
+    def _run(self, plan: Plan, name: str | None, priority: int, timeout: float | None) -> Any:
+        """``_submit(...).wait()`` for a blocking call that may run on this thread
+        (``NativeBackend.run``)."""
         here = self._backend
-        plan = self._allreduce_plan(x, op, inplace)
         if not isinstance(here, NativeBackend):
             return self._submit(plan, name, priority, timeout).wait()
         key, label = self._numbered(plan, name, priority, timeout)
@@ -162,8 +171,10 @@ class Communicator(BlockingCalls):
 
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
-        buf = as_buffer(_EMPTY, "barrier")
-        return self._submit(Plan("barrier", buf, lambda: None), name, 0, timeout)
+        return self._submit(self._barrier_plan(), name, 0, timeout)
+
+    def _barrier_plan(self) -> Plan:
+        return Plan("barrier", as_buffer(_EMPTY, "barrier"), lambda: None)
 
     def ireduce(
         self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from . import forks
-from .algorithms import SMALL_ALLREDUCE_BYTES, RecursiveDoubling
+from .algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly
 from .algorithms.reduction import quiet_numpy
 from .errors import BrokenError, ClosedError, UsageError
 from .flight import FlightRecorder
@@ -185,11 +185,12 @@ class Engine(FrameSink):
             self._give_back_loop()
 
     def run(
-        self, key: Key, label: str, desc: Descriptor, algo: RecursiveDoubling, priority: int,
+        self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         timeout: float | None, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
-        """A small allreduce whose caller waits for it at once, run on the caller's thread
-        to the end where the engine has nothing else to do (progress in the call, all of it):
+        """A small allreduce (or a barrier: ``RunsDirectly``) whose caller waits for it at
+        once, run on the caller's thread to the end where the engine has nothing else to do
+        (progress in the call, all of it):
         each frame straight into its socket and each peer's straight out of the stream into
         the fold; no request, no session event, nobody woken. None: done, the result is in
         place. Anything else makes it an ordinary operation, ``adopt()``, whose request is
@@ -363,13 +364,13 @@ class Engine(FrameSink):
             os.sched_yield()
 
     def _run_held(
-        self, key: Key, label: str, desc: Descriptor, algo: RecursiveDoubling, priority: int,
+        self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         posted: float, end: float, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
         """``run``, holding the loop (first a look at every connection and a tick, if nobody
         made one for ``_SELF_LOOK``: this thread stays aside meanwhile, ``_ASIDE_GRACE``)."""
         transport, session = self.transport, self.session
-        size = algo.buffer.nbytes
+        size = algo.message_bytes
         if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.partners):
             return self._failed_here(adopt())
         quiet = not self._submitted and posted - self._looked < _DIRECT_LOOK
@@ -422,14 +423,14 @@ class Engine(FrameSink):
         return op.request
 
     def _exchange(
-        self, key: Key, desc: Descriptor, algo: RecursiveDoubling, priority: int, end: float,
+        self, key: Key, desc: Descriptor, algo: RunsDirectly, priority: int, end: float,
         heard: list[int],
     ) -> bool:  # fmt: skip
         """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
         done (True), or until something else must happen first (False): another thread's
         post, wait or close, a frame that did not leave whole (the loop writes the rest), a
         stream that holds something else, ``end``."""
-        transport, size = self.transport, algo.buffer.nbytes
+        transport, size = self.transport, algo.message_bytes
         heads: dict[int, bytes] = {}  # by step: what a partner sends is what this rank sends
         sends = algo.start()
         while True:

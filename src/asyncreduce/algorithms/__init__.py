@@ -7,7 +7,16 @@ count, dtype, world size), so all ranks pick the same one without talking.
 from __future__ import annotations
 
 from .barrier import Barrier
-from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
+from .base import (
+    SEGMENT_BYTES,
+    Array,
+    Collective,
+    ProtocolError,
+    RunsDirectly,
+    Send,
+    segments,
+    split,
+)
 from .doubling import RecursiveDoubling
 from .exchange import Exchange
 from .reduction import (
@@ -41,6 +50,7 @@ __all__ = [
     "REDUCTIONS",
     "REDUCTION_CODES",
     "RecursiveDoubling",
+    "RunsDirectly",
     "Ring",
     "SEGMENT_BYTES",
     "SMALL_ALLREDUCE_BYTES",

@@ -18,7 +18,10 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 
 class Barrier(Collective):
-    """Complete only once every rank has entered the barrier."""
+    """Complete only once every rank has entered the barrier. A caller may run it message by
+    message itself (``RunsDirectly``: ``Engine.run``)."""
+
+    message_bytes = 0
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
@@ -26,6 +29,17 @@ class Barrier(Collective):
         self._expected = self._rounds
         self._arrived: set[int] = set()
         self._next = 0  # the round whose message this rank waits for
+        self.partners = frozenset(
+            peer for s in range(self._rounds)
+            for peer in (self._source(s), (rank + (1 << s)) % world_size)
+        )  # fmt: skip
+
+    @property
+    def awaited(self) -> tuple[int, int] | None:
+        """(the rank, the round) of the message this rank needs next; None once done."""
+        if self._received == self._expected:
+            return None
+        return self._source(self._next), self._next
 
     def _source(self, step: int) -> int:
         return (self.rank - (1 << step)) % self.world_size

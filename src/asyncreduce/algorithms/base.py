@@ -24,12 +24,13 @@ An unexpected message (wrong source, step, segment or size, or a duplicate) rais
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Send", "Collective", "ProtocolError", "split", "segments", "SEGMENT_BYTES"]
+__all__ = ["Send", "Collective", "ProtocolError", "RunsDirectly", "split", "segments",
+           "SEGMENT_BYTES"]  # fmt: skip
 
 #: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
 #: reducing overlap, large enough that per-message overhead stays small.
@@ -111,6 +112,29 @@ class Collective(ABC):
         if buffer.nbytes != nbytes:
             raise ProtocolError(f"{what}: expected {buffer.nbytes} bytes, got {nbytes}")
         return buffer
+
+
+class RunsDirectly(Protocol):
+    """An algorithm a caller may run itself, message by message, on its own thread
+    (``Engine.run``): every message it receives is one of ``message_bytes``, named as the
+    message it sends in the same step (so the caller knows the frame to look for), and
+    it says which one it needs next."""
+
+    @property
+    def partners(self) -> frozenset[int]:
+        """Every rank it sends to or receives from."""
+
+    @property
+    def message_bytes(self) -> int:
+        """What each message it sends or receives carries."""
+
+    @property
+    def awaited(self) -> tuple[int, int] | None:
+        """(the rank, the step) of the message it needs next; None once done."""
+
+    def start(self) -> list[Send]: ...
+
+    def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]: ...
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -57,6 +57,11 @@ class RecursiveDoubling(Collective):
         return {src for step, src in waiting if step >= self._step and step not in self._early}
 
     @property
+    def message_bytes(self) -> int:
+        """What every message of it carries (``RunsDirectly``): the whole buffer."""
+        return int(self.buffer.nbytes)
+
+    @property
     def awaited(self) -> tuple[int, int] | None:
         """(the rank, the step) of the message this rank needs next; None once done. A
         caller that moves the messages itself (``Engine.run``) reads which one to take."""

@@ -16,7 +16,14 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..algorithms import SMALL_ALLREDUCE_BYTES, Collective, RecursiveDoubling, Translated, build
+from ..algorithms import (
+    SMALL_ALLREDUCE_BYTES,
+    Barrier,
+    Collective,
+    RecursiveDoubling,
+    Translated,
+    build,
+)
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
     from ..ordered.engine import OrderedEngine
 
 __all__ = ["LocalBackend", "NativeBackend"]
+
+_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread
 
 
 def built(
@@ -102,8 +111,9 @@ class NativeBackend(EngineBackend):
     ) -> Request[Any] | None:  # fmt: skip
         """``submit`` for a caller that waits for the operation at once: one the lane takes
         runs on the caller's thread where it can (``Lane.run``), and so does a small
-        allreduce the engine takes, over the sockets (``Engine.run``); None: done, its result
-        is in place. Any other gets a request (``runner`` runs its callbacks), returned."""
+        allreduce or a barrier the engine takes, over the sockets (``Engine.run``); None:
+        done, its result is in place. Any other gets a request (``runner`` runs its
+        callbacks), returned."""
         lane = self.lane
         if lane is None or not Lane.takes(plan.kind, plan.buf, key):
             algo, desc = self._built(plan, key, label)
@@ -112,7 +122,7 @@ class NativeBackend(EngineBackend):
                 request: Request[Any] = Request(label, runner)
                 return Operation(key, label, desc, algo, request, plan.result, priority, timeout)
 
-            if plan.kind == "allreduce" and isinstance(algo, RecursiveDoubling):
+            if isinstance(algo, RecursiveDoubling | Barrier) and plan.kind in _DIRECT_KINDS:
                 return self.engine.run(key, label, desc, algo, priority, timeout, made)
             op = made()
             self.engine.submit(op)

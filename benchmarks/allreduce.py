@@ -22,6 +22,8 @@ measures, identically for every library:
 3. the latency is the median of the repeats. Bus bandwidth is
    ``bytes * 2 (N-1) / N / latency`` (what each rank's links must carry in a ring allreduce).
 
+Size 0 (``--sizes 0,1K``) times each library's barrier the same way: the row ``barrier``.
+
 Every number a rank agrees on (the estimate, each repeat's time) goes through the library's own
 allreduce with op max, so all ranks always run the same number of operations.
 
@@ -88,7 +90,9 @@ _MPI_TCP = ("--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo")
 
 
 def _size_list(text: str) -> list[int]:
-    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    """The sizes asked for, sorted; 0 is a barrier (``measure``)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    sizes = [0 if part == "0" else parse_size(part) for part in parts]
     if not sizes:
         raise argparse.ArgumentTypeError("no sizes given")
     return sorted(set(sizes))
@@ -109,8 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         "--sizes",
         type=_size_list,
         default=None,
-        help=f"comma-separated buffer sizes in bytes, K/M suffixes (default {DEFAULT_SIZES}; "
-        f"with --quick {QUICK_SIZES})",
+        help=f"comma-separated buffer sizes in bytes, K/M suffixes, 0 for a barrier (default "
+        f"{DEFAULT_SIZES}; with --quick {QUICK_SIZES})",
     )
     parser.add_argument(
         "--nprocs", type=harness.nprocs_list, default=[2, 4], help="process counts (default 2,4)"
@@ -236,7 +240,8 @@ def _run_set(
     def take(message: dict[str, Any]) -> None:
         event = message.get("event")
         if event == "start":
-            progress.show(f"{tag} {format_size(int(message['bytes']))} ...")
+            nbytes = int(message["bytes"])
+            progress.show(f"{tag} {format_size(nbytes) if nbytes else 'barrier'} ...")
         elif event == "result":
             nbytes = int(message["bytes"])
             seconds = float(message["latency_us"]) / 1e6

@@ -9,6 +9,7 @@ times every size and reports from rank 0 as JSON lines prefixed with ``MARK``: `
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import json
 import statistics
@@ -153,19 +154,21 @@ BACKENDS: dict[str, type[_Backend]] = {
 def measure(
     backend: _Backend, nbytes: int, min_time: float, warmup: int, repeats: int
 ) -> dict[str, Any]:
-    """Time in-place allreduces of ``nbytes`` of float32 (see the module docstring)."""
+    """Time in-place allreduces of ``nbytes`` of float32 (see the module docstring); 0: the
+    library's barrier."""
     x = backend.array(nbytes // DTYPE_BYTES)
+    one = backend.barrier if nbytes == 0 else functools.partial(backend.allreduce, x)
     per_repeat = min_time / repeats
     backend.barrier()
     start = time.perf_counter()
-    backend.allreduce(x)
+    one()
     estimate = backend.max(time.perf_counter() - start)
     more = min(warmup - 1, int(per_repeat / max(estimate, 1e-9)))
     if more > 0:
         backend.barrier()
         start = time.perf_counter()
         for _ in range(more):
-            backend.allreduce(x)
+            one()
         estimate = backend.max((time.perf_counter() - start) / more)
     iters = max(1, round(per_repeat / max(estimate, 1e-9)))
     times = []
@@ -173,7 +176,7 @@ def measure(
         backend.barrier()
         start = time.perf_counter()
         for _ in range(iters):
-            backend.allreduce(x)
+            one()
         backend.barrier()
         times.append(backend.max((time.perf_counter() - start) / iters))
     return {
@@ -183,7 +186,7 @@ def measure(
         "repeats_us": [t * 1e6 for t in times],
         "iters": iters,
         "warmup": 1 + max(more, 0),
-        "algorithm": backend.algorithm(nbytes),
+        "algorithm": "barrier" if nbytes == 0 else backend.algorithm(nbytes),
     }
 
 

@@ -132,20 +132,22 @@ def table(run: Run, nprocs: int) -> str:
     rows: list[list[str]] = []
     for nbytes in s.sizes:
         plain = run.get("asyncreduce", nprocs, nbytes)
-        row = [format_size(nbytes), plain.algorithm if plain else "-"]
+        row = [format_size(nbytes) if nbytes else "barrier", plain.algorithm if plain else "-"]
         for lib in libs:
             r = run.get(lib, nprocs, nbytes)
             if r is None:
                 cell = "fail" if run.failed(lib, nprocs) else "-"
                 row += [cell, cell]
             else:
-                row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps)]
+                row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps) if nbytes else "-"]
         for _, ours, kind, lib in ratios:
             mine, other = run.get(ours, nprocs, nbytes), run.get(lib, nprocs, nbytes)
             if mine is None or other is None:
                 row.append("-")
             elif kind == "lat":
                 row.append(f"{mine.latency_us / other.latency_us:.2f}x")
+            elif not nbytes:  # a barrier moves no bytes: its speed against the other's
+                row.append(f"{other.latency_us / mine.latency_us:.2f}x")
             else:
                 row.append(f"{mine.busbw_gbps / other.busbw_gbps:.2f}x")
         rows.append(row)
@@ -167,7 +169,8 @@ def table(run: Run, nprocs: int) -> str:
     out = [
         f"N={nprocs}: allreduce of float32 (sum, in place); us = median time per allreduce, "
         "GB/s = bus bandwidth = bytes*2(N-1)/N/time"
-        + ("; window = asyncreduce on comm.shared_empty buffers" if "window" in libs else ""),
+        + ("; window = asyncreduce on comm.shared_empty buffers" if "window" in libs else "")
+        + ("; barrier: each library's; ratio = other's time / ours" if 0 in s.sizes else ""),
         (sep * 2).join(line1).rstrip(),
     ]
 
@@ -246,13 +249,15 @@ def plot(path: Path, run: Run) -> None:
     for ax, nprocs in zip(axes[0], ns, strict=True):
         for lib in (lib for lib in LIBS if lib in run.settings.libs):
             points = sorted(
-                (r.bytes, r.busbw_gbps) for r in run.results if (r.lib, r.nprocs) == (lib, nprocs)
-            )
+                (r.bytes, r.busbw_gbps) for r in run.results
+                if (r.lib, r.nprocs) == (lib, nprocs) and r.bytes  # (a barrier has no bandwidth)
+            )  # fmt: skip
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=lib)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(run.settings.sizes)
-        ax.set_xticklabels([format_size(s).replace(" ", "") for s in run.settings.sizes])
+        sizes = [s for s in run.settings.sizes if s]
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([format_size(s).replace(" ", "") for s in sizes])
         ax.tick_params(axis="x", labelrotation=45)
         ax.set_title(f"allreduce, N={nprocs}")
         ax.set_xlabel("buffer size (float32)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,12 +47,13 @@ def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "allreduce.json"
     command = [
         sys.executable, "-m", "asyncreduce", "bench", "allreduce", "--nprocs", "2",
-        "--sizes", "4K,256K", "--libs", ",".join(libs), "--min-time", "0.05",
+        "--sizes", "0,4K,256K", "--libs", ",".join(libs), "--min-time", "0.05",
         "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "N=2" in done.stdout and "4 KiB" in done.stdout and "256 KiB" in done.stdout
+    assert re.search(r"^barrier +barrier ", done.stdout, re.M)  # size 0: each one's barrier
 
     document = json.loads(out.read_text())
     assert document["benchmark"] == "allreduce"
@@ -62,10 +64,13 @@ def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
     assert f"CPU stolen by the hypervisor during the run {stolen:.1f}%" in done.stdout
     assert "--json" in document["command"]["argv"]
     results = {(r["lib"], r["nprocs"], r["bytes"]): r for r in document["results"]}
-    assert set(results) == {(lib, 2, size) for lib in libs for size in SIZES}
+    assert set(results) == {(lib, 2, size) for lib in libs for size in (0, *SIZES)}
     for (lib, _, size), r in results.items():
-        assert r["latency_us"] > 0 and r["busbw_gbps"] > 0 and r["iters"] >= 1
-        if lib == "asyncreduce":
+        assert r["latency_us"] > 0 and r["iters"] >= 1
+        assert (r["busbw_gbps"] > 0) == (size > 0)  # a barrier moves no bytes
+        if size == 0:
+            assert r["algorithm"] == "barrier"
+        elif lib == "asyncreduce":
             small = "lane" if supported() else "doubling"  # one host: the lane where it runs
             assert r["algorithm"] == (small if size <= SMALL_ALLREDUCE_BYTES else "ring")
         else:

@@ -144,10 +144,10 @@ def table(run: Run, nprocs: int) -> str:
             mine, other = run.get(ours, nprocs, nbytes), run.get(lib, nprocs, nbytes)
             if mine is None or other is None:
                 row.append("-")
-            elif kind == "lat":
-                row.append(f"{mine.latency_us / other.latency_us:.2f}x")
             elif not nbytes:  # a barrier moves no bytes: its speed against the other's
                 row.append(f"{other.latency_us / mine.latency_us:.2f}x")
+            elif kind == "lat":
+                row.append(f"{mine.latency_us / other.latency_us:.2f}x")
             else:
                 row.append(f"{mine.busbw_gbps / other.busbw_gbps:.2f}x")
         rows.append(row)

@@ -45,6 +45,7 @@ from asyncreduce.algorithms import (
     ProtocolError,
     RecursiveDoubling,
     Ring,
+    RunsDirectly,
     Send,
     SharedAllreduce,
     TreeBroadcast,
@@ -1183,3 +1184,56 @@ def test_a_group_allreduce_over_the_ranks_of_a_bigger_world(
     check_allreduce(buffers, reduce_expected(inputs, "float64", op, n), "float64")
     for m in idle:
         assert net.sent_by[m] == 0 and net.received_by[m] == 0
+
+
+def _run_directly(algos: list[RunsDirectly]) -> tuple[list[set[int]], list[set[int]]]:
+    """Every rank's algorithm run as ``Engine.run`` runs it: sends in order on FIFO streams,
+    each rank reading only the stream of the message it awaits, and only when that message
+    is the stream's next (else it would hand the run to the engine). Returns the ranks each
+    received from and sent to."""
+    n = len(algos)
+    streams: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+    got: list[set[int]] = [set() for _ in range(n)]
+    sent: list[set[int]] = [set() for _ in range(n)]
+
+    def post(src: int, sends: list[Send]) -> None:
+        for s in sends:
+            assert s.seg == 0 and s.payload.nbytes == algos[src].message_bytes
+            streams.setdefault((src, s.dst), []).append((s.step, s.payload.copy()))
+            sent[src].add(s.dst)
+
+    for r in range(n):
+        post(r, algos[r].start())
+    while any(a.awaited is not None for a in algos):
+        moved = False
+        for r, algo in enumerate(algos):
+            if algo.awaited is None:
+                continue
+            peer, step = algo.awaited
+            stream = streams.get((peer, r))
+            if stream:
+                head_step, payload = stream.pop(0)
+                assert head_step == step, (r, peer, head_step, step)  # the next is the awaited
+                got[r].add(peer)
+                post(r, algo.on_view(peer, step, 0, memoryview(payload).cast("B")))
+                moved = True
+        assert moved, "no rank could go on: a direct run would wait for ever"
+    assert not any(streams.values()), "a message nobody read"
+    return got, sent
+
+
+@pytest.mark.parametrize("n", range(2, 10))
+def test_direct_runs_read_only_the_awaited_streams_and_complete(n: int) -> None:
+    """The contract ``Engine.run`` relies on (``RunsDirectly``): each rank's next message is
+    the next one on the awaited stream, every rank completes, ``sources`` are the ranks it
+    reads and ``partners`` those and the ranks it sends to; a sum comes out exact."""
+    f32 = DTYPES["float32"]
+    doubling = [RecursiveDoubling(r, n, np.full(5, r + 1.0, np.float32), f32, "sum")
+                for r in range(n)]  # fmt: skip
+    for algos in ([Barrier(r, n) for r in range(n)], doubling):
+        got, sent = _run_directly(algos)
+        for r, algo in enumerate(algos):
+            assert algo.done and algo.sources == got[r], (type(algo).__name__, r)
+            assert algo.partners == got[r] | sent[r], (type(algo).__name__, r)
+    for algo in doubling:
+        assert np.all(algo.buffer == n * (n + 1) / 2)

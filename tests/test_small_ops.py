@@ -472,17 +472,22 @@ def body_barriers(comm: ar.Communicator) -> dict[str, Any]:
     return {"entered": entered, "left": left, "direct": _engine(comm).direct}
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_a_blocking_barrier_runs_on_the_callers_thread_and_waits_for_every_rank(n: int) -> None:
+@pytest.mark.parametrize(("n", "path"), [(2, "direct"), (3, "direct"), (4, "direct"),
+                                         (5, "direct"), (3, "direct-python")])  # fmt: skip
+def test_a_blocking_barrier_runs_on_the_callers_thread_and_waits_for_every_rank(
+    n: int, path: str
+) -> None:
     """The dissemination barrier runs as a small allreduce does (``Engine.run``: a power of
-    two or not): no rank leaves one before the last rank entered it."""
-    results = run_ranks(n, body_barriers, env=TCP, timeout=60)
+    two or not; its frames carry no payload, looked for in C or in Python): no rank leaves
+    one before the last rank entered it."""
+    results = run_ranks(n, body_barriers, env=PATHS[path], timeout=60)
     for i in range(60):
         last_in = max(got["entered"][i] for got in results.values())
         first_out = min(got["left"][i] for got in results.values())
         assert first_out >= last_in, f"barrier {i}: a rank left {last_in - first_out:.6f} s early"
     for rank, got in results.items():
-        assert got["direct"] >= 10, f"rank {rank}: only {got['direct']} of 60 ran directly"
+        # (half have a rank late by up to 20 ms: those, and some after them, go to the engine)
+        assert got["direct"] >= 5, f"rank {rank}: only {got['direct']} of 60 ran directly"
 
 
 def body_barrier_against_allreduce(comm: ar.Communicator) -> str:

@@ -21,9 +21,10 @@ so the transport and the protocol still have one thread at a time, and need no l
 own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is
 raised on this thread, which fails every request as for its own.
 
-A blocking small allreduce goes further (``run``): holding the loop while the engine is quiet
-(nothing in flight or kept, no beat due, every connection read within ``_DIRECT_LOOK``), its
-caller runs recursive doubling over the partners' connections itself, taking only the frames
+A blocking small allreduce or barrier goes further (``run``): holding the loop while the
+engine is quiet (nothing in flight or kept, no beat due, every connection read within
+``_DIRECT_LOOK``), its caller runs the algorithm (recursive doubling, the dissemination
+barrier: ``RunsDirectly``) over the partners' connections itself, taking only the frames
 whose headers are exactly the expected ones; anything else hands it to the session where it
 stands, and the loop goes on from there as for any operation.
 """
@@ -71,7 +72,7 @@ _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent pee
 _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it saw
 _DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
 # so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
-# most about this long while a thread runs small allreduces back to back
+# most about this long while a thread runs small allreduces (or barriers) back to back
 _ASIDE_GRACE = 10e-3  # how long this thread stays aside after a direct run gave the loop back
 # with nothing left to move: a thread that runs small allreduces back to back finds it aside
 # at its next one, instead of waking it from poll() to take the loop back each time
@@ -115,8 +116,8 @@ class Engine(FrameSink):
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
         self.direct = 0  # operations run to the end on their caller's thread (run)
-        self._looked = 0.0  # when the loop last read every connection (a direct run reads
-        # only its partners': see _DIRECT_LOOK)
+        self._looked = 0.0  # when the loop last read every connection (a direct run's look
+        # leaves out the streams the run reads: see _DIRECT_LOOK)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self.transport = make_transport(self)
@@ -371,7 +372,7 @@ class Engine(FrameSink):
         made one for ``_SELF_LOOK``: this thread stays aside meanwhile, ``_ASIDE_GRACE``)."""
         transport, session = self.transport, self.session
         size = algo.message_bytes
-        if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.partners):
+        if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.sources):
             return self._failed_here(adopt())
         quiet = not self._submitted and posted - self._looked < _DIRECT_LOOK
         quiet = quiet and session.quiet(key, posted)
@@ -393,14 +394,14 @@ class Engine(FrameSink):
         self.direct += 1
         return None
 
-    def _turn_here(self, partners: Collection[int]) -> bool:
+    def _turn_here(self, sources: Collection[int]) -> bool:
         """A turn of the loop that never blocks, on a direct run's thread, that leaves the
-        partners' streams to the run (a look there would take what a faster partner sent for
-        it, and the run would then go through the session: the partners' streams are read by
-        ``take_frame``, which hands anything else to the reader); False after a bug
+        streams the run reads to it (``sources``: a look there would take what a faster
+        partner sent for it, and the run would then go through the session; the run reads
+        them with ``take_frame``, which hands anything else to the reader); False after a bug
         (``_crash``: the engine thread fails everything)."""
         try:
-            quiet_numpy(self._look_and_tick, partners)
+            quiet_numpy(self._look_and_tick, sources)
         except BaseException as exc:
             self._crashed(exc)
             return False
@@ -413,8 +414,8 @@ class Engine(FrameSink):
         if not isinstance(exc, Exception):
             raise exc
 
-    def _look_and_tick(self, partners: Collection[int]) -> None:
-        self._look(partners)
+    def _look_and_tick(self, sources: Collection[int]) -> None:
+        self._look(sources)
         self._turn_rest()
 
     def _failed_here(self, op: Operation) -> Request[Any]:

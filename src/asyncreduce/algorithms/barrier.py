@@ -29,10 +29,8 @@ class Barrier(Collective):
         self._expected = self._rounds
         self._arrived: set[int] = set()
         self._next = 0  # the round whose message this rank waits for
-        self.partners = frozenset(
-            peer for s in range(self._rounds)
-            for peer in (self._source(s), (rank + (1 << s)) % world_size)
-        )  # fmt: skip
+        self.sources = frozenset(self._source(s) for s in range(self._rounds))
+        self.partners = self.sources | {(rank + (1 << s)) % world_size for s in range(self._rounds)}
 
     @property
     def awaited(self) -> tuple[int, int] | None:

@@ -125,6 +125,10 @@ class RunsDirectly(Protocol):
         """Every rank it sends to or receives from."""
 
     @property
+    def sources(self) -> frozenset[int]:
+        """The ranks it receives from (whose streams the caller reads itself)."""
+
+    @property
     def message_bytes(self) -> int:
         """What each message it sends or receives carries."""
 

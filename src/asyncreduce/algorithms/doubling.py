@@ -57,6 +57,11 @@ class RecursiveDoubling(Collective):
         return {src for step, src in waiting if step >= self._step and step not in self._early}
 
     @property
+    def sources(self) -> frozenset[int]:
+        """(``RunsDirectly``) the partners: it receives from each what it sends to it."""
+        return self.partners
+
+    @property
     def message_bytes(self) -> int:
         """What every message of it carries (``RunsDirectly``): the whole buffer."""
         return int(self.buffer.nbytes)

@@ -43,6 +43,8 @@ class RecursiveDoubling(Collective):
         self._extra, self._rounds, self._sits_out, self._sources, self.partners = _schedule(
             rank, world_size
         )  # (partners: every rank this one exchanges with; it receives from each what it sends)
+        self.sources = self.partners  # (RunsDirectly: whose streams a direct run reads)
+        self.message_bytes = int(buffer.nbytes)  # (RunsDirectly: every message, the buffer)
         self._last_step = self._rounds + 1
         self._step = 0  # the next step this rank performs
         self._sent_step = 0
@@ -55,16 +57,6 @@ class RecursiveDoubling(Collective):
             return set()
         waiting = self._sources.items()
         return {src for step, src in waiting if step >= self._step and step not in self._early}
-
-    @property
-    def sources(self) -> frozenset[int]:
-        """(``RunsDirectly``) the partners: it receives from each what it sends to it."""
-        return self.partners
-
-    @property
-    def message_bytes(self) -> int:
-        """What every message of it carries (``RunsDirectly``): the whole buffer."""
-        return int(self.buffer.nbytes)
 
     @property
     def awaited(self) -> tuple[int, int] | None:

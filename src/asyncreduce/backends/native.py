@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalBackend", "NativeBackend"]
 
-_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread
+_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread,
+_DIRECT_ALGORITHMS = (RecursiveDoubling, Barrier)  # built as these (a group's are wrapped)
 
 
 def built(
@@ -122,7 +123,7 @@ class NativeBackend(EngineBackend):
                 request: Request[Any] = Request(label, runner)
                 return Operation(key, label, desc, algo, request, plan.result, priority, timeout)
 
-            if isinstance(algo, RecursiveDoubling | Barrier) and plan.kind in _DIRECT_KINDS:
+            if isinstance(algo, _DIRECT_ALGORITHMS) and plan.kind in _DIRECT_KINDS:
                 return self.engine.run(key, label, desc, algo, priority, timeout, made)
             op = made()
             self.engine.submit(op)

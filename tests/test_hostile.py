@@ -37,7 +37,7 @@ import asyncreduce
 from asyncreduce.auth import PROOF_BYTES, ClientHandshake, Secret
 from asyncreduce.rendezvous import _CONTEXT, _MAX_FRAME, _MAX_PENDING, TCPStore
 from asyncreduce.transport import mesh as mesh_module
-from asyncreduce.transport.frame import DATA, HEADER, Descriptor, FrameError, pack_header
+from asyncreduce.transport.frame import DATA, HEADER, VERSION, Descriptor, FrameError, pack_header
 from asyncreduce.transport.mesh import HELLO, connect_mesh
 from asyncreduce.transport.tcp import TcpTransport
 
@@ -452,7 +452,7 @@ def mode_of_mesh(mesh: Mesh) -> str:
 @pytest.mark.timeout(300)
 def test_data_listener_random_bytes_and_magic_with_random_body(mesh: Mesh) -> None:
     rng = random.Random(3)
-    starts = [b"", b"ARDH", b"ARDHAUTH", HELLO.pack(b"ARDH", 1, 1, 2, bytes(16))[:9]]
+    starts = [b"", b"ARDH", b"ARDHAUTH", HELLO.pack(b"ARDH", VERSION, 1, 2, bytes(16))[:9]]
     payloads = (rng.choice(starts) + random_bytes(rng, 200) for _ in range(RUNS))
     runs, hangs = storm(mesh.port, payloads)
     assert hangs == 0
@@ -466,11 +466,11 @@ def test_data_listener_random_bytes_and_magic_with_random_body(mesh: Mesh) -> No
 def test_data_listener_extreme_hello_fields(mesh: Mesh) -> None:
     """A HELLO has no length field; its numbers are still checked before anything trusts them."""
     hellos = [
-        HELLO.pack(b"ARDH", 1, 0xFFFFFFFF, 0xFFFFFFFF, mesh.token),
-        HELLO.pack(b"ARDH", 1, 1, 0xFFFFFFFF, mesh.token),
+        HELLO.pack(b"ARDH", VERSION, 0xFFFFFFFF, 0xFFFFFFFF, mesh.token),
+        HELLO.pack(b"ARDH", VERSION, 1, 0xFFFFFFFF, mesh.token),
         HELLO.pack(b"ARDH", 255, 1, 2, mesh.token),
-        HELLO.pack(b"ARDH", 1, 0, 2, mesh.token),  # a rank that is not higher: not expected
-        HELLO.pack(b"ARDH", 1, 1, 2, bytes(16)),  # another job's token
+        HELLO.pack(b"ARDH", VERSION, 0, 2, mesh.token),  # a rank that is not higher: not expected
+        HELLO.pack(b"ARDH", VERSION, 1, 2, bytes(16)),  # another job's token
     ]
     runs, hangs = storm(mesh.port, (h for _ in range(max(1, RUNS // 5)) for h in hellos))
     assert hangs == 0
@@ -478,9 +478,19 @@ def test_data_listener_extreme_hello_fields(mesh: Mesh) -> None:
     summary("data", mode_of_mesh(mesh), "extreme HELLO fields", runs=runs, hangs=hangs)
 
 
+def test_a_hello_of_another_protocol_version_is_refused_by_name() -> None:
+    token = bytes(range(16))
+    assert mesh_module._check_hello(HELLO.pack(b"ARDH", VERSION, 1, 2, token), 2, token) == 1
+    older = f"protocol version {VERSION - 1}, this rank {VERSION}"
+    with pytest.raises(ConnectionError, match=older):
+        mesh_module._check_hello(HELLO.pack(b"ARDH", VERSION - 1, 1, 2, token), 2, token)
+    with pytest.raises(ConnectionError, match="not an asyncreduce peer"):
+        mesh_module._check_hello(HELLO.pack(b"XXXX", VERSION, 1, 2, token), 2, token)
+
+
 @pytest.mark.timeout(60)
 def test_data_listener_slow_sender_holds_up_nobody(mesh: Mesh) -> None:
-    hello = HELLO.pack(b"ARDH", 1, 1, 2, bytes(16))
+    hello = HELLO.pack(b"ARDH", VERSION, 1, 2, bytes(16))
     ended: dict[str, float] = {}
 
     def trickle() -> None:
@@ -536,7 +546,7 @@ def test_data_listener_pickle_payload(mesh: Mesh, tmp_path: Path) -> None:
     target = tmp_path / "pwned"
     payload = evil_payload(target)
     assert throw(mesh.port, payload)
-    assert throw(mesh.port, HELLO.pack(b"ARDH", 1, 1, 2, bytes(16)) + payload)
+    assert throw(mesh.port, HELLO.pack(b"ARDH", VERSION, 1, 2, bytes(16)) + payload)
     assert throw(mesh.port, b"ARDHAUTH" + payload)
     assert mesh.join_as_rank_1() < 2.0
     created = target.exists()

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"ARDC"
-VERSION: Final = 1
+VERSION: Final = 2  # 2: FLOW instance 2 (Resume); a HELLO carries it too
 DATA: Final = 1
 ERROR: Final = 2
 GOODBYE: Final = 3

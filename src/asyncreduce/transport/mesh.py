@@ -34,6 +34,7 @@ from ..auth import (
 )
 from ..envvars import env_number
 from ..errors import ranks_phrase
+from .frame import VERSION
 from .listener import (
     ADMIT,
     CHALLENGE,
@@ -100,14 +101,19 @@ def not_sent_bytes() -> int:
 
 
 def _hello(rank: int, world_size: int, token: bytes) -> bytes:
-    return HELLO.pack(_HELLO_MAGIC, 1, rank, world_size, token)
+    return HELLO.pack(_HELLO_MAGIC, VERSION, rank, world_size, token)
 
 
 def _check_hello(data: bytes, world_size: int, token: bytes) -> int:
     """The rank a HELLO claims, after checking that it comes from a rank of this job."""
     magic, version, rank, size, their_token = HELLO.unpack(data)
-    if magic != _HELLO_MAGIC or version != 1:
+    if magic != _HELLO_MAGIC:
         raise ConnectionError("not an asyncreduce peer")
+    if version != VERSION:
+        raise ConnectionError(
+            f"a peer speaks protocol version {version}, this rank {VERSION}: every rank must "
+            "run the same asyncreduce"
+        )
     if size != world_size or their_token != token or not 0 <= rank < world_size:
         raise ConnectionError(f"peer claims rank {rank} of {size} in another job")
     return int(rank)

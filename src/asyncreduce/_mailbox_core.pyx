@@ -8,7 +8,7 @@ where it was built; the tests run both).
 Stamps are stored with release and loaded with acquire order, so a reader that sees a stamp
 sees the slot written before it on any CPU; on x86-64 both are plain moves, as in Python.
 
-The fold (``ar_fold``, in C below) takes float32, float64, int8, int16, int32, int64 and
+The fold (``ar_fold``, in _fold.h) takes float32, float64, int8, int16, int32, int64 and
 uint8 with every reduction that the communicator accepts for them; ``collect`` says 3 for
 anything else (bool, float16, bfloat16, complex), which mailbox.py then folds with numpy.
 Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``; max
@@ -42,66 +42,14 @@ cdef extern from *:
     static inline void ar_store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
     static inline int64_t ar_load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
-    /* reduction.REDUCTION_CODES and reduction.DTYPES' codes */
-    enum { AR_SUM = 1, AR_AVG, AR_MAX, AR_MIN, AR_PROD, AR_BAND, AR_BOR, AR_BXOR };
-    enum { AR_F32 = 2, AR_F64 = 3, AR_I32 = 4, AR_I64 = 5, AR_U8 = 6, AR_I8 = 8, AR_I16 = 12 };
-
-    /* Two loops per type and reduction, over pointers that do not overlap, so the compiler
-       may vectorize them: out = x (op) y, and out = out (op) y. */
-    #define AR_OP(T, NAME, EXPR) \
-        static void ar_pair_##NAME(T *restrict out, const T *restrict x, const T *restrict y, ptrdiff_t n) \
-        { for (ptrdiff_t i = 0; i < n; i++) { T a = x[i], b = y[i]; out[i] = (T)(EXPR); } } \
-        static void ar_acc_##NAME(T *restrict out, const T *restrict y, ptrdiff_t n) \
-        { for (ptrdiff_t i = 0; i < n; i++) { T a = out[i], b = y[i]; out[i] = (T)(EXPR); } }
-    /* NaN wins max and min, and a tie (-0.0 and 0.0) goes to the later operand, as in np.maximum */
-    #define AR_ARITH(T, S) AR_OP(T, S##_sum, a + b) AR_OP(T, S##_prod, a * b) \
-        AR_OP(T, S##_max, (a > b || a != a) ? a : b) AR_OP(T, S##_min, (a < b || a != a) ? a : b)
-    #define AR_BITS(T, S) AR_OP(T, S##_band, a & b) AR_OP(T, S##_bor, a | b) AR_OP(T, S##_bxor, a ^ b)
-    AR_ARITH(float, f32) AR_ARITH(double, f64)
-    AR_ARITH(int8_t, i8) AR_ARITH(int16_t, i16) AR_ARITH(int32_t, i32) AR_ARITH(int64_t, i64)
-    AR_ARITH(uint8_t, u8)
-    AR_BITS(int8_t, i8) AR_BITS(int16_t, i16) AR_BITS(int32_t, i32) AR_BITS(int64_t, i64)
-    AR_BITS(uint8_t, u8)
-
-    #define AR_FOLD(T, NAME) do { \
-            ptrdiff_t n_ = nbytes / (ptrdiff_t)sizeof(T); \
-            ar_pair_##NAME((T *)out, (const T *)parts[0], (const T *)parts[1], n_); \
-            for (int r_ = 2; r_ < world; r_++) ar_acc_##NAME((T *)out, (const T *)parts[r_], n_); \
-        } while (0); break
-    #define AR_ARITH_CASES(T, S) \
-        case AR_SUM: AR_FOLD(T, S##_sum); case AR_PROD: AR_FOLD(T, S##_prod); \
-        case AR_MAX: AR_FOLD(T, S##_max); case AR_MIN: AR_FOLD(T, S##_min);
-    #define AR_INT_CASES(T, S) AR_ARITH_CASES(T, S) \
-        case AR_BAND: AR_FOLD(T, S##_band); case AR_BOR: AR_FOLD(T, S##_bor); \
-        case AR_BXOR: AR_FOLD(T, S##_bxor); default: return 0;
-    #define AR_FLOAT_CASES(T, S) AR_ARITH_CASES(T, S) \
-        case AR_AVG: AR_FOLD(T, S##_sum); default: return 0;
-    #define AR_DIVIDE(T) do { \
-            T *o_ = (T *)out; ptrdiff_t n_ = nbytes / (ptrdiff_t)sizeof(T); \
-            for (ptrdiff_t i = 0; i < n_; i++) o_[i] = o_[i] / (T)world; \
-        } while (0)
-
-    /* out = parts[0] (op) parts[1] (op) ... (world >= 2 parts of nbytes each, none of them
-       out), then divided by world for avg; 0, out untouched, for what is not folded here */
-    static int ar_fold(int dtype, int op, void *out, uint8_t *const *parts, int world,
-                       ptrdiff_t nbytes) {
-        if (world < 2) return 0;
-        switch (dtype) {
-        case AR_F32: switch (op) { AR_FLOAT_CASES(float, f32) } if (op == AR_AVG) AR_DIVIDE(float); return 1;
-        case AR_F64: switch (op) { AR_FLOAT_CASES(double, f64) } if (op == AR_AVG) AR_DIVIDE(double); return 1;
-        case AR_I8: switch (op) { AR_INT_CASES(int8_t, i8) } return 1;
-        case AR_I16: switch (op) { AR_INT_CASES(int16_t, i16) } return 1;
-        case AR_I32: switch (op) { AR_INT_CASES(int32_t, i32) } return 1;
-        case AR_I64: switch (op) { AR_INT_CASES(int64_t, i64) } return 1;
-        case AR_U8: switch (op) { AR_INT_CASES(uint8_t, u8) } return 1;
-        default: return 0;
-        }
-    }
     """
     void ar_store_release(int64_t *p, int64_t v) nogil
     int64_t ar_load_acquire(const int64_t *p) nogil
-    int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
     int sched_yield() nogil
+
+
+cdef extern from "_fold.h":
+    int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
 
 
 cdef enum:

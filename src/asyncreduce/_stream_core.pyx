@@ -1,9 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """A direct run's wait for its partner's frame, in C (the issue's "small native helper"):
 ``take`` reads a TCP stream until it holds one expected frame whole, spinning without the
-GIL and yielding the core between looks. ``TcpTransport.take_frame`` is its one caller; its
-Python path (a look with MSG_PEEK, then the same bytes dropped with MSG_TRUNC) is the
-reference, which the tests also run (ASYNCREDUCE_NATIVE=0).
+GIL and yielding the core between looks; ``swap`` first sends this rank's frame of the same
+step (one call for a step of recursive doubling). ``TcpTransport.take_frame`` and
+``TcpTransport.swap`` are their callers; the Python path (``send_now``, then a look with
+MSG_PEEK and the same bytes dropped with MSG_TRUNC) is the reference, which the tests also
+run (ASYNCREDUCE_NATIVE=0).
 
 One receive per look, not two: the bytes are taken off the stream into the connection's
 staging buffer, where the reader would have put them. If they are the frame (its header and
@@ -13,30 +15,89 @@ received, and the loop judges them as if it had read them itself.
 """
 
 from libc.errno cimport EAGAIN, EINTR, errno
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+
+
 cdef extern from "<sys/socket.h>" nogil:
+    struct msghdr:
+        iovec *msg_iov
+        size_t msg_iovlen
     ssize_t recv(int fd, void *buf, size_t n, int flags)
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags)
     int MSG_DONTWAIT
+    int MSG_NOSIGNAL
 
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
 
-cdef enum:  # what ``take`` found: the frame (room[:whole]), nothing yet (nothing taken),
-    _FRAME, _NOTHING, _OTHER, _END, _PART  # other bytes (room[:n] taken: the reader's now),
-    # the end (nothing taken), the frame's first n bytes (taken: the caller's, to go on from)
+cdef extern from "_fold.h" nogil:
+    int ar_combine(int dtype, int op, void *acc, const void *incoming, Py_ssize_t nbytes,
+                   int incoming_first)
 
-FRAME, NOTHING, OTHER, END, PART = _FRAME, _NOTHING, _OTHER, _END, _PART
+
+cdef enum:  # what ``take`` found: the frame (room[:whole]), nothing yet (nothing taken),
+    _FRAME, _NOTHING, _OTHER, _END, _PART, _UNSENT, _COMBINED  # other bytes (room[:n]
+    # taken: the reader's now), the end (nothing taken), the frame's first n bytes (taken:
+    # the caller's, to go on from); ``swap`` also: its own frame did not leave whole
+    # (nothing taken), or the frame, combined into the buffer
+
+FRAME, NOTHING, OTHER, END, PART, UNSENT, COMBINED = (
+    _FRAME, _NOTHING, _OTHER, _END, _PART, _UNSENT, _COMBINED
+)
 
 
 cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef int _take(int fd, const unsigned char *expected, Py_ssize_t hl, unsigned char *into,
+               Py_ssize_t whole, double seconds, Py_ssize_t *taken) noexcept nogil:
+    """``take``'s loop, from the ``taken[0]`` bytes already in ``into``: what it found, or
+    an errno negated; ``taken[0]``: the bytes taken in all."""
+    cdef Py_ssize_t n = taken[0], seen
+    cdef ssize_t got
+    cdef int found = _NOTHING
+    cdef double end = _now() + seconds
+    while True:
+        got = recv(fd, into + n, <size_t>(whole - n), MSG_DONTWAIT)
+        if got > 0:
+            n += got
+            seen = n if n < hl else hl
+            if memcmp(into, expected, <size_t>seen) != 0:
+                found = _OTHER
+                break
+            if n == whole:
+                found = _FRAME
+                break
+        elif got == 0:
+            found = _OTHER if n else _END
+            break
+        elif errno != EAGAIN and errno != EINTR:
+            found = -errno
+            break
+        if _now() >= end:
+            found = _PART if n else _NOTHING
+            break
+        sched_yield()
+    taken[0] = n
+    return found
+
+
+def _check_room(Py_ssize_t hl, Py_ssize_t room, Py_ssize_t whole, Py_ssize_t offset):
+    if whole > room or hl > whole or not 0 <= offset < whole:
+        raise ValueError(f"a {whole}-byte frame with a {hl}-byte header does not fit "
+                         f"{room} bytes of room")
 
 
 def take(int fd, const unsigned char[::1] head, unsigned char[::1] room, Py_ssize_t whole,
@@ -46,36 +107,56 @@ def take(int fd, const unsigned char[::1] head, unsigned char[::1] room, Py_ssiz
     ``offset`` bytes of it (a PART before): (what it found, the bytes taken in all). Bytes
     that start otherwise are OTHER: the caller gives them to the reader. An error is its
     errno, negated (with what was taken before it, for the reader)."""
-    cdef Py_ssize_t hl = head.shape[0], n = offset, seen
-    cdef ssize_t got
-    cdef int err = 0, found = _NOTHING
-    cdef double end
-    if whole > room.shape[0] or hl > whole or not 0 <= offset < whole:
-        raise ValueError(f"a {whole}-byte frame with a {hl}-byte header does not fit "
-                         f"{room.shape[0]} bytes of room")
-    cdef const unsigned char *expected = &head[0]
-    cdef unsigned char *into = &room[0]
+    cdef Py_ssize_t hl = head.shape[0], n = offset
+    cdef int found
+    _check_room(hl, room.shape[0], whole, offset)
     with nogil:
-        end = _now() + seconds
-        while True:
-            got = recv(fd, into + n, <size_t>(whole - n), MSG_DONTWAIT)
-            if got > 0:
-                n += got
-                seen = n if n < hl else hl
-                if memcmp(into, expected, <size_t>seen) != 0:
-                    found = _OTHER
-                    break
-                if n == whole:
-                    found = _FRAME
-                    break
-            elif got == 0:
-                found = _OTHER if n else _END
-                break
-            elif errno != EAGAIN and errno != EINTR:
-                err = errno
-                break
-            if _now() >= end:
-                found = _PART if n else _NOTHING
-                break
-            sched_yield()
-    return (-err if err else found), n
+        found = _take(fd, &head[0], hl, &room[0], whole, seconds, &n)
+    return found, n
+
+
+def combines(int dtype, int op):
+    """Whether ``swap`` combines ``dtype`` with ``op`` in C (reduction.py's codes)."""
+    return ar_combine(dtype, op, NULL, NULL, 0, 0) != 0
+
+
+def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload,
+         unsigned char[::1] room, double seconds, unsigned char[::1] into=None, int dtype=0,
+         int op=0, bint incoming_first=False):
+    """One step of a symmetric exchange (a direct run's recursive doubling): send ``head``
+    and ``payload`` in one ``sendmsg`` (non-blocking), then, if they left whole, ``take``
+    the partner's frame, which starts with the same ``head`` and is as long: (what it
+    found, the bytes sent, the bytes taken). UNSENT where the frame did not leave whole
+    (nothing taken); the bytes sent are then an errno, negated, on an error. Given ``into``
+    (as long as the payload), the partner's payload is also combined into it as
+    ``reduction.combine`` does (``dtype``, ``op``: reduction.py's codes; ``combines``), and
+    a FRAME is COMBINED: the step's reduction too, all in one call into C, without the GIL."""
+    cdef Py_ssize_t hl = head.shape[0], size = payload.shape[0], whole = hl + size, n = 0
+    cdef ssize_t sent
+    cdef int found = _UNSENT
+    cdef iovec parts[2]
+    cdef msghdr msg
+    cdef unsigned char *target = NULL
+    _check_room(hl, room.shape[0], whole, 0)
+    if into is not None:
+        if into.shape[0] != size or not combines(dtype, op):
+            raise ValueError(f"cannot combine a {size}-byte payload into {into.shape[0]} "
+                             f"bytes of dtype {dtype} by reduction {op}")
+        target = &into[0] if size else NULL
+    memset(&msg, 0, sizeof(msg))
+    parts[0].iov_base = <void *>&head[0]
+    parts[0].iov_len = <size_t>hl
+    parts[1].iov_base = <void *>&payload[0] if size else NULL
+    parts[1].iov_len = <size_t>size
+    msg.msg_iov = parts
+    msg.msg_iovlen = 2
+    with nogil:
+        sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if sent < 0:
+            sent = 0 if errno == EAGAIN or errno == EINTR else -errno
+        elif sent == whole:
+            found = _take(fd, &head[0], hl, &room[0], whole, seconds, &n)
+            if found == _FRAME and into is not None:
+                ar_combine(dtype, op, target, &room[0] + hl, size, incoming_first)
+                found = _COMBINED
+    return found, sent, n

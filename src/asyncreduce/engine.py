@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import forks
-from .algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly
+from .algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly, Send
 from .algorithms.reduction import quiet_numpy
 from .errors import BrokenError, ClosedError, UsageError
 from .flight import FlightRecorder
@@ -54,7 +54,7 @@ from .protocol.operation import Operation, Settings, bytes_of
 from .protocol.session import Session
 from .protocol.wire import Key, data_head, describe, payload_bytes
 from .request import Request
-from .transport.base import ELSEWHERE, FrameSink, Transport
+from .transport.base import COMBINED, ELSEWHERE, FrameSink, Transport
 from .transport.frame import MAX_ERROR_BYTES, Descriptor, Header
 
 __all__ = ["THREAD_PREFIX", "Engine"]
@@ -382,7 +382,7 @@ class Engine(FrameSink):
             return self._posted(adopt())  # (the loop takes it, behind what is there)
         heard: list[int] = []
         try:
-            done = quiet_numpy(self._exchange, key, desc, algo, priority, end, heard)
+            done = self._exchange(key, desc, algo, priority, end, heard)
             now = time.monotonic()
             session.heard_from(heard, now)
             if not done or session.broken is not None:  # (broken: a send found a peer gone)
@@ -430,26 +430,53 @@ class Engine(FrameSink):
         """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
         done (True), or until something else must happen first (False): another thread's
         post, wait or close, a frame that did not leave whole (the loop writes the rest), a
-        stream that holds something else, ``end``."""
+        stream that holds something else, ``end``. Its ``swaps`` first, each a call into the
+        transport (in C: send, look, combine), without a step of the algorithm between them."""
+        swaps = algo.swaps
+        if swaps is None:
+            return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, algo.start())
+        transport, done = self.transport, 0
+        for peer, step, combining in swaps:
+            into = combining.into
+            head = data_head(key, step, 0, into.nbytes, desc)
+            view = transport.swap(peer, head, into, priority, _TAKE_LOOK, combining)
+            if view is not COMBINED:
+                sends = algo.swapped(done)  # (this step's message left)
+                return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,
+                                   view, head)  # fmt: skip
+            heard.append(peer)
+            done += 1
+        algo.swapped(done)
+        return True
+
+    def _steps(
+        self, key: Key, desc: Descriptor, algo: RunsDirectly, priority: int, end: float,
+        heard: list[int], sends: list[Send], view: memoryview | None = None, head: bytes = b"",
+    ) -> bool:  # fmt: skip
+        """``_exchange`` message by message, from ``sends``; ``head`` and ``view``: the awaited
+        message's header and what a swap found of it (as ``take_frame``), if one looked."""
         transport, size = self.transport, algo.message_bytes
         heads: dict[int, bytes] = {}  # by step: what a partner sends is what this rank sends
-        sends = algo.start()
+        looked = bool(head)
         while True:
             for s in sends:
                 payload = bytes_of(s.payload)
                 head = heads[s.step] = data_head(key, s.step, s.seg, payload.nbytes, desc)
-                sent = transport.send_now(s.dst, head, payload, priority)
-                if not sent:
+                if not transport.send_now(s.dst, head, payload, priority):
                     return False
             awaited = algo.awaited
             if awaited is None:
                 return True
             peer, step = awaited
-            head = heads.get(step) or data_head(key, step, 0, size, desc)
-            while (view := transport.take_frame(peer, head, size, _TAKE_LOOK)) is None:
+            if not looked:
+                head = heads.get(step) or data_head(key, step, 0, size, desc)
+                view = transport.take_frame(peer, head, size, _TAKE_LOOK)
+            looked = False
+            while view is None:
                 if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
                     return False  # (another thread's operation, or its wait, must move too)
                 os.sched_yield()
+                view = transport.take_frame(peer, head, size, _TAKE_LOOK)
             if view is ELSEWHERE:
                 return False
             heard.append(peer)

@@ -29,8 +29,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Send", "Collective", "ProtocolError", "RunsDirectly", "split", "segments",
-           "SEGMENT_BYTES"]  # fmt: skip
+__all__ = ["Send", "Collective", "Combining", "ProtocolError", "RunsDirectly", "Swap",
+           "split", "segments", "SEGMENT_BYTES"]  # fmt: skip
 
 #: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
 #: reducing overlap, large enough that per-message overhead stays small.
@@ -108,6 +108,14 @@ class Collective(ABC):
         np.frombuffer(memoryview(target).cast("B"), np.uint8)[:] = np.frombuffer(view, np.uint8)  # type: ignore[arg-type]
         return self.on_message(src, step, seg, target)
 
+    @property
+    def swaps(self) -> tuple[Swap, ...] | None:
+        """(``RunsDirectly``) None: message by message, but where an algorithm says so."""
+        return None
+
+    def swapped(self, done: int) -> list[Send]:
+        raise ProtocolError(f"{type(self).__name__} has no swaps")
+
     def _check_size(self, what: str, buffer: Array, nbytes: int) -> Array:
         if buffer.nbytes != nbytes:
             raise ProtocolError(f"{what}: expected {buffer.nbytes} bytes, got {nbytes}")
@@ -139,6 +147,37 @@ class RunsDirectly(Protocol):
     def start(self) -> list[Send]: ...
 
     def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]: ...
+
+    @property
+    def swaps(self) -> tuple[Swap, ...] | None:
+        """Where every step is a swap of the buffer with one partner, combined into it as it
+        arrives (a power of two ranks of recursive doubling): those steps in order, which
+        the caller may run itself (in C: ``Transport.swap``) and then tell ``swapped``.
+        None: message by message (``start``, ``awaited``, ``on_view``)."""
+
+    def swapped(self, done: int) -> list[Send]:
+        """The first ``done`` of ``swaps`` ran, and the next one's message left (if any):
+        what to send now; ``awaited`` and ``on_view`` go on from there."""
+
+
+class Combining(NamedTuple):
+    """How a message is combined into an algorithm's buffer (``reduction.combine``): into
+    ``into``'s bytes, elements of dtype code ``dtype``, by reduction code ``op``, the
+    incoming operand first where ``incoming_first``."""
+
+    into: memoryview
+    dtype: int
+    op: int
+    incoming_first: bool
+
+
+class Swap(NamedTuple):
+    """One step of ``RunsDirectly.swaps``: the buffer goes to ``peer`` as message ``step``,
+    the peer's comes back as the same, and is combined as ``combining`` says."""
+
+    peer: int
+    step: int
+    combining: Combining
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

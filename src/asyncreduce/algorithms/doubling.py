@@ -24,8 +24,8 @@ from types import MappingProxyType
 
 import numpy as np
 
-from .base import Array, Collective, ProtocolError, Send
-from .reduction import DType, combine, finalize
+from .base import Array, Collective, Combining, ProtocolError, Send, Swap
+from .reduction import REDUCTION_CODES, DType, combine, finalize
 
 __all__ = ["RecursiveDoubling"]
 
@@ -98,6 +98,32 @@ class RecursiveDoubling(Collective):
         combine(self.dtype, self.reduce_op, buffer, incoming, src < self.rank)
         self._step += 1
         return self._advance()
+
+    @property
+    def swaps(self) -> tuple[Swap, ...] | None:
+        """(``RunsDirectly``) In a world of a power of two ranks, every step is a swap with
+        one partner, combined into the buffer in the order ``on_view`` combines: a caller may
+        run them all itself, then ``swapped``. None in any other world."""
+        if self._extra or self.world_size == 1:
+            return None
+        into = memoryview(self.buffer).cast("B")  # type: ignore[arg-type]
+        dtype, op, rank = self.dtype.code, REDUCTION_CODES[self.reduce_op], self.rank
+        return tuple(
+            Swap(peer, step, Combining(into, dtype, op, peer < rank))
+            for step, peer in self._sources.items()
+        )  # fmt: skip
+
+    def swapped(self, done: int) -> list[Send]:
+        """(``RunsDirectly``) The caller ran the first ``done`` of ``swaps`` and the message
+        of the next one left: go on from there (``on_view`` of that step's message next)."""
+        if self._extra or self.world_size == 1 or not 0 <= done <= self._rounds or self._step:
+            raise ProtocolError(f"recursive doubling: {done} swaps cannot have run here")
+        self._received = done
+        self._step = self._sent_step = done + 1  # (steps are 1..rounds; this one's sent)
+        if done < self._rounds:
+            return []
+        self._sent_step = self._rounds
+        return self._advance()  # (the last step's: the result, finalized)
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from .frame import Header
 
-__all__ = ["ELSEWHERE", "FrameSink", "Transport"]
+if TYPE_CHECKING:
+    from ..algorithms.base import Combining
+
+__all__ = ["COMBINED", "ELSEWHERE", "FrameSink", "Transport"]
 
 #: What ``take_frame`` returns when the stream holds something else first.
 ELSEWHERE: Final = memoryview(b"")
+#: What ``swap`` returns for a frame it took and combined as it was asked to.
+COMBINED: Final = memoryview(bytearray(0))
 
 
 class FrameSink(Protocol):
@@ -116,6 +121,20 @@ class Transport(ABC):
         ``send``'s frames are)."""
         self.send(peer, head, payload, priority, None)
         return self.quiet(peer, 0)
+
+    def swap(
+        self, peer: int, head: bytes, payload: memoryview, priority: int, seconds: float = 0.0,
+        combining: Combining | None = None,
+    ) -> memoryview | None:  # fmt: skip
+        """A step of a symmetric exchange with a ``quiet`` peer: ``send_now`` this frame, then
+        ``take_frame`` the peer's, which has the same ``head`` and size. ``ELSEWHERE`` also
+        where this frame did not leave whole (what did not is copied and queued, as
+        ``send_now``'s: ``payload`` may be the caller's buffer, which it changes next).
+        ``COMBINED`` where the transport took the frame and combined its payload as
+        ``combining`` says (in C, as it arrived); one that cannot returns the payload."""
+        if not self.send_now(peer, head, memoryview(bytes(payload)), priority):
+            return ELSEWHERE  # (a copy: the caller's buffer changes once this returns)
+        return self.take_frame(peer, head, payload.nbytes, seconds)
 
     def take_frame(
         self, peer: int, head: bytes, size: int, seconds: float = 0.0

@@ -28,9 +28,10 @@ import selectors
 import socket
 from collections import deque
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from ..envvars import native_allowed
-from .base import ELSEWHERE, FrameSink, Transport
+from .base import COMBINED, ELSEWHERE, FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
     CREDIT,
@@ -46,11 +47,17 @@ from .frame import (
 from .listener import WakeUp
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
+if TYPE_CHECKING:
+    from ..algorithms.base import Combining
+
 try:
-    from .._stream_core import FRAME, NOTHING, PART
+    from .._stream_core import COMBINED as COMBINED_HERE
+    from .._stream_core import FRAME, NOTHING, PART, UNSENT
+    from .._stream_core import combines as native_combines
+    from .._stream_core import swap as native_swap
     from .._stream_core import take as native_take
 except ImportError:  # not built (no C compiler at set-up): the Python look alone
-    native_take = None  # type: ignore[assignment]
+    native_take = native_swap = None  # type: ignore[assignment]
 
 __all__ = ["TcpTransport", "native_take_wanted"]
 
@@ -143,12 +150,28 @@ class TcpTransport(Transport):
         case of a small operation); what does not fit is queued in flight as usual. Whether
         it left whole."""
         try:
-            n = peer.sock.sendmsg([head, payload])
+            n: int | OSError = peer.sock.sendmsg([head, payload])
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError as exc:
+            n = exc
+        return self._sent(peer, head, payload, token, order, n)
+
+    def _sent(
+        self,
+        peer: Connection,
+        head: bytes,
+        payload: memoryview,
+        token: object,
+        order: tuple[int, int, int],
+        n: int | OSError,
+    ) -> bool:
+        """After a frame's ``sendmsg`` to an idle connection wrote ``n`` bytes of it (or
+        failed): what did not leave is queued in flight (or reported unsent: the connection
+        is lost). Whether it left whole."""
+        if isinstance(n, OSError):
             peer.inflight.append(Outgoing(order, head, payload, token))
-            self._lose(peer, exc)  # which reports it unsent
+            self._lose(peer, n)  # which reports it unsent
             return False
         if n == len(head) + payload.nbytes:
             self.sink.on_sent(token)
@@ -288,6 +311,38 @@ class TcpTransport(Transport):
             and (target.arena_out is None or nbytes < SHM_MIN_BYTES)  # (else it is flagged)
         )  # fmt: skip
 
+    def swap(
+        self, peer: int, head: bytes, payload: memoryview, priority: int, seconds: float = 0.0,
+        combining: Combining | None = None,
+    ) -> memoryview | None:  # fmt: skip
+        """(See Transport.) In C where it was built (``_stream_core.swap``): the send, the
+        look and the combine in one call, without the GIL; else, or where the connection is
+        not idle or a begun frame waits, as ``Transport.swap`` does it (no combine)."""
+        target = self._peers.get(peer)
+        if target is None or native_swap is None or not self._native_take or (
+            target.queue or target.inflight or target.writing or self._begun is not None
+            or (target.arena_out is not None and payload.nbytes >= SHM_MIN_BYTES)
+        ):  # fmt: skip
+            return super().swap(peer, head, payload, priority, seconds)
+        room = target.reader.room()  # (between frames: all of the staging buffer)
+        whole = len(head) + payload.nbytes
+        if whole > len(room):
+            return super().swap(peer, head, payload, priority, seconds)
+        fd = target.sock.fileno()
+        if combining is not None and native_combines(combining.dtype, combining.op):
+            found, sent, n = native_swap(fd, head, payload, room, seconds, *combining)
+        else:
+            found, sent, n = native_swap(fd, head, payload, room, seconds)
+        if found == UNSENT:
+            error = OSError(-sent, os.strerror(-sent)) if sent < 0 else sent
+            rest = memoryview(bytes(payload))  # (what is queued: the buffer changes next)
+            self._sent(target, head, rest, None, (-priority, 0, 0), error)
+            return ELSEWHERE
+        self.sink.on_sent(None)
+        if found == COMBINED_HERE:
+            return COMBINED
+        return self._took(target, head, whole, room, found, n)
+
     def take_frame(
         self, peer: int, head: bytes, size: int, seconds: float = 0.0
     ) -> memoryview | None:
@@ -315,6 +370,12 @@ class TcpTransport(Transport):
             else:
                 self._settle_begun()
         found, n = native_take(target.sock.fileno(), head, room, whole, seconds, offset)
+        return self._took(target, head, whole, room, found, n)
+
+    def _took(
+        self, target: Connection, head: bytes, whole: int, room: memoryview, found: int, n: int
+    ) -> memoryview | None:
+        """What a look in C found, for ``take_frame``: see ``_stream_core.take``."""
         if found == FRAME:
             return room[len(head) : whole]
         if found == PART:  # (its first n bytes, which only this knows of: see quiet and poll)

@@ -20,7 +20,7 @@ import numpy as np
 from .algorithms import DTYPES, Array, DType
 from .errors import UsageError
 
-__all__ = ["Buffer", "as_buffer", "device_buffer"]
+__all__ = ["Buffer", "as_buffer", "device_buffer", "numpy_dtype"]
 
 _SUPPORTED = ", ".join(DTYPES)
 
@@ -88,6 +88,11 @@ def _read_only(x: Any, what: str) -> Buffer:
         found = _torch(x.detach(), what, inplace=True, bump=False)
         return Buffer(x, found.flat, found.shape, found.dtype, found.like)
     return as_buffer(x, what, inplace=False)  # other buffers: a copy is cheap and safe
+
+
+def numpy_dtype(np_dtype: np.dtype[Any]) -> DType | None:
+    """The element type of a numpy dtype, None if it is not one we take."""
+    return _BY_NUMPY.get(np_dtype)
 
 
 def _dtype_of(np_dtype: np.dtype[Any], what: str) -> DType:

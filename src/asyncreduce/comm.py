@@ -33,7 +33,7 @@ import numpy as np
 from . import forks, plans
 from .algorithms import REDUCIBLE, Array, reduction_refused
 from .backends import Backend, backend_for
-from .backends.native import NativeBackend
+from .backends.native import DirectAllreduce, NativeBackend
 from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
@@ -57,6 +57,11 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+def _label(kind: str, name: str | None, key: Key) -> str:
+    """How an operation is named in errors, logs and the flight record."""
+    return f"{kind} {name!r}#{key[1]}" if name else f"{kind} #{key[1]}"
 
 
 @atexit.register
@@ -94,6 +99,9 @@ class Communicator(BlockingCalls):
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
+        here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run)
+        direct = isinstance(here, NativeBackend) and here.members == tuple(range(world_size))
+        self._direct = DirectAllreduce(here) if direct else None  # type: ignore[arg-type]
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -113,6 +121,16 @@ class Communicator(BlockingCalls):
         needs to move (``Lane.run`` where the same-host lane takes it, else ``Engine.run``
         over the sockets): no request, no hand-off to another thread; it is the call most
         small operations make."""
+        direct = self._direct
+        if direct is not None and type(x) is np.ndarray and inplace and timeout is None and (
+            type(op) is str and type(priority) is int
+        ):  # fmt: skip  # (the most frequent call: DirectAllreduce; anything else, below)
+            prepared = direct.prepared(x, op)
+            if prepared is not None and self._open():
+                key = self._keys.next(name)
+                label = _label("allreduce", name, key)
+                made = direct.run(x, prepared, op, key, label, priority, self._runner)
+                return x if made is None else made.wait()
         return self._run(self._allreduce_plan(x, op, inplace), name, priority, timeout)
 
     def barrier(self, *, name: str | None = None, timeout: float | None = None) -> None:
@@ -487,6 +505,14 @@ class Communicator(BlockingCalls):
         self._backend.submit(plan, key, label, priority, timeout, request)
         return request
 
+    def _open(self) -> bool:
+        """Whether a post may go on: neither this communicator nor the one it lives on is
+        closed, and this is the process that made it (``_numbered`` says which is not)."""
+        parent = self._parent
+        return not (self._closed or (parent is not None and parent._closed)) and (
+            forks.generation() == self._generation
+        )  # fmt: skip
+
     def _numbered(
         self, plan: Plan, name: str | None, priority: int, timeout: float | None,
         key_name: str | None = None,
@@ -499,13 +525,13 @@ class Communicator(BlockingCalls):
             raise UsageError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        if self._closed or (self._parent is not None and self._parent._closed):
-            raise ClosedError(f"{kind}: the communicator is closed")
-        if forks.generation() != self._generation:  # (inline: every post asks)
+        if not self._open():
+            if self._closed or (self._parent is not None and self._parent._closed):
+                raise ClosedError(f"{kind}: the communicator is closed")
             self._check_process(kind)
         refused = self._backend.refusal(plan, priority)
         if refused is not None:
             raise UsageError(refused)
         shown = name or key_name
         key = self._keys.next(name if key_name is None else key_name)
-        return key, f"{kind} {shown!r}#{key[1]}" if shown else f"{kind} #{key[1]}"
+        return key, _label(kind, shown, key)

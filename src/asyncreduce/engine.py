@@ -435,11 +435,12 @@ class Engine(FrameSink):
         swaps = algo.swaps
         if swaps is None:
             return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, algo.start())
-        transport, done = self.transport, 0
-        for peer, step, combining in swaps:
-            into = combining.into
+        transport, combining, done = self.transport, algo.combining, 0
+        into = combining.into
+        for peer, step, incoming_first in swaps:
             head = data_head(key, step, 0, into.nbytes, desc)
-            view = transport.swap(peer, head, into, priority, _TAKE_LOOK, combining)
+            view = transport.swap(peer, head, into, priority, _TAKE_LOOK, combining,
+                                  incoming_first)  # fmt: skip
             if view is not COMBINED:
                 sends = algo.swapped(done)  # (this step's message left)
                 return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,

@@ -108,10 +108,12 @@ class Collective(ABC):
         np.frombuffer(memoryview(target).cast("B"), np.uint8)[:] = np.frombuffer(view, np.uint8)  # type: ignore[arg-type]
         return self.on_message(src, step, seg, target)
 
+    swaps: tuple[Swap, ...] | None = None  # (RunsDirectly: message by message, but where
+    # an algorithm says otherwise)
+
     @property
-    def swaps(self) -> tuple[Swap, ...] | None:
-        """(``RunsDirectly``) None: message by message, but where an algorithm says so."""
-        return None
+    def combining(self) -> Combining:
+        raise ProtocolError(f"{type(self).__name__} has no swaps")
 
     def swapped(self, done: int) -> list[Send]:
         raise ProtocolError(f"{type(self).__name__} has no swaps")
@@ -155,6 +157,10 @@ class RunsDirectly(Protocol):
         the caller may run itself (in C: ``Transport.swap``) and then tell ``swapped``.
         None: message by message (``start``, ``awaited``, ``on_view``)."""
 
+    @property
+    def combining(self) -> Combining:
+        """How each of ``swaps`` combines what it receives (only where there are swaps)."""
+
     def swapped(self, done: int) -> list[Send]:
         """The first ``done`` of ``swaps`` ran, and the next one's message left (if any):
         what to send now; ``awaited`` and ``on_view`` go on from there."""
@@ -162,22 +168,21 @@ class RunsDirectly(Protocol):
 
 class Combining(NamedTuple):
     """How a message is combined into an algorithm's buffer (``reduction.combine``): into
-    ``into``'s bytes, elements of dtype code ``dtype``, by reduction code ``op``, the
-    incoming operand first where ``incoming_first``."""
+    ``into``'s bytes, elements of dtype code ``dtype``, by reduction code ``op``."""
 
     into: memoryview
     dtype: int
     op: int
-    incoming_first: bool
 
 
 class Swap(NamedTuple):
     """One step of ``RunsDirectly.swaps``: the buffer goes to ``peer`` as message ``step``,
-    the peer's comes back as the same, and is combined as ``combining`` says."""
+    the peer's comes back as the same, and is combined into it, the peer's operand first
+    where ``incoming_first`` (the lower rank's first, on both)."""
 
     peer: int
     step: int
-    combining: Combining
+    incoming_first: bool
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

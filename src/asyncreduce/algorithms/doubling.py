@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,9 +41,10 @@ class RecursiveDoubling(Collective):
         self.buffer = buffer
         self.dtype = dtype
         self.reduce_op = reduce_op
-        self._extra, self._rounds, self._sits_out, self._sources, self.partners = _schedule(
-            rank, world_size
-        )  # (partners: every rank this one exchanges with; it receives from each what it sends)
+        plan = _schedule(rank, world_size)
+        self._extra, self._rounds, self._sits_out, self._sources, self.partners = plan[:5]
+        # (partners: every rank this one exchanges with; it receives from each what it sends)
+        self.swaps = plan.swaps  # (RunsDirectly: with a power of two ranks, every step)
         self.sources = self.partners  # (RunsDirectly: whose streams a direct run reads)
         self.message_bytes = int(buffer.nbytes)  # (RunsDirectly: every message, the buffer)
         self._last_step = self._rounds + 1
@@ -100,30 +102,24 @@ class RecursiveDoubling(Collective):
         return self._advance()
 
     @property
-    def swaps(self) -> tuple[Swap, ...] | None:
-        """(``RunsDirectly``) In a world of a power of two ranks, every step is a swap with
-        one partner, combined into the buffer in the order ``on_view`` combines: a caller may
-        run them all itself, then ``swapped``. None in any other world."""
-        if self._extra or self.world_size == 1:
-            return None
+    def combining(self) -> Combining:
+        """(``RunsDirectly``) How each of ``swaps`` combines: into the buffer, as ``on_view``."""
         into = memoryview(self.buffer).cast("B")  # type: ignore[arg-type]
-        dtype, op, rank = self.dtype.code, REDUCTION_CODES[self.reduce_op], self.rank
-        return tuple(
-            Swap(peer, step, Combining(into, dtype, op, peer < rank))
-            for step, peer in self._sources.items()
-        )  # fmt: skip
+        return Combining(into, self.dtype.code, REDUCTION_CODES[self.reduce_op])
 
     def swapped(self, done: int) -> list[Send]:
         """(``RunsDirectly``) The caller ran the first ``done`` of ``swaps`` and the message
         of the next one left: go on from there (``on_view`` of that step's message next)."""
-        if self._extra or self.world_size == 1 or not 0 <= done <= self._rounds or self._step:
+        rounds = self._rounds
+        if self.swaps is None or not 0 <= done <= rounds or self._step:
             raise ProtocolError(f"recursive doubling: {done} swaps cannot have run here")
         self._received = done
-        self._step = self._sent_step = done + 1  # (steps are 1..rounds; this one's sent)
-        if done < self._rounds:
+        if done < rounds:
+            self._step = self._sent_step = done + 1  # (steps are 1..rounds; this one's sent)
             return []
-        self._sent_step = self._rounds
-        return self._advance()  # (the last step's: the result, finalized)
+        self._step, self._sent_step = rounds + 2, rounds  # (done, as _advance leaves it)
+        finalize(self.dtype, self.reduce_op, self.buffer, self.world_size)
+        return []  # (a power of two ranks: nobody sat out, to be sent the result)
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1
@@ -154,19 +150,25 @@ class RecursiveDoubling(Collective):
         return sends
 
 
-@functools.cache
-def _schedule(
-    rank: int, world_size: int
-) -> tuple[int, int, bool, Mapping[int, int], frozenset[int]]:
-    """(extra, rounds, whether this rank sits out, {step: the rank it receives from then},
-    the ranks it receives from).
+class _Schedule(NamedTuple):
+    extra: int
+    rounds: int
+    sits_out: bool
+    sources: Mapping[int, int]  # {step: the rank this one receives from then}
+    partners: frozenset[int]  # the ranks it receives from (and sends to)
+    swaps: tuple[Swap, ...] | None  # every step, with a power of two ranks
 
-    The same for every operation of a communicator, so it is worked out once (read-only)."""
+
+@functools.cache
+def _schedule(rank: int, world_size: int) -> _Schedule:
+    """A rank's steps: the same for every operation of a communicator, so worked out once
+    (read-only)."""
     p = 1 << (world_size.bit_length() - 1)
     extra = world_size - p
     rounds = p.bit_length() - 1
     if rank < 2 * extra and rank % 2 == 0:
-        return extra, rounds, True, MappingProxyType({rounds + 1: rank + 1}), frozenset({rank + 1})
+        last = MappingProxyType({rounds + 1: rank + 1})
+        return _Schedule(extra, rounds, True, last, frozenset({rank + 1}), None)
     virtual = rank // 2 if rank < 2 * extra else rank - extra
 
     def real(v: int) -> int:
@@ -175,4 +177,8 @@ def _schedule(
     steps = {s: real(virtual ^ (1 << (s - 1))) for s in range(1, rounds + 1)}
     if rank < 2 * extra:
         steps[0] = rank - 1
-    return extra, rounds, False, MappingProxyType(steps), frozenset(steps.values())
+    swaps = None
+    if not extra and world_size > 1:
+        swaps = tuple(Swap(peer, step, peer < rank) for step, peer in steps.items())
+    sources = MappingProxyType(steps)
+    return _Schedule(extra, rounds, False, sources, frozenset(steps.values()), swaps)

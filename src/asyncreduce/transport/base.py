@@ -124,14 +124,15 @@ class Transport(ABC):
 
     def swap(
         self, peer: int, head: bytes, payload: memoryview, priority: int, seconds: float = 0.0,
-        combining: Combining | None = None,
+        combining: Combining | None = None, incoming_first: bool = False,
     ) -> memoryview | None:  # fmt: skip
         """A step of a symmetric exchange with a ``quiet`` peer: ``send_now`` this frame, then
         ``take_frame`` the peer's, which has the same ``head`` and size. ``ELSEWHERE`` also
         where this frame did not leave whole (what did not is copied and queued, as
         ``send_now``'s: ``payload`` may be the caller's buffer, which it changes next).
         ``COMBINED`` where the transport took the frame and combined its payload as
-        ``combining`` says (in C, as it arrived); one that cannot returns the payload."""
+        ``combining`` says (in C, as it arrived; the peer's operand first where
+        ``incoming_first``); one that cannot returns the payload."""
         if not self.send_now(peer, head, memoryview(bytes(payload)), priority):
             return ELSEWHERE  # (a copy: the caller's buffer changes once this returns)
         return self.take_frame(peer, head, payload.nbytes, seconds)

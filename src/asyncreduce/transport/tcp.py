@@ -313,7 +313,7 @@ class TcpTransport(Transport):
 
     def swap(
         self, peer: int, head: bytes, payload: memoryview, priority: int, seconds: float = 0.0,
-        combining: Combining | None = None,
+        combining: Combining | None = None, incoming_first: bool = False,
     ) -> memoryview | None:  # fmt: skip
         """(See Transport.) In C where it was built (``_stream_core.swap``): the send, the
         look and the combine in one call, without the GIL; else, or where the connection is
@@ -330,7 +330,8 @@ class TcpTransport(Transport):
             return super().swap(peer, head, payload, priority, seconds)
         fd = target.sock.fileno()
         if combining is not None and native_combines(combining.dtype, combining.op):
-            found, sent, n = native_swap(fd, head, payload, room, seconds, *combining)
+            found, sent, n = native_swap(fd, head, payload, room, seconds, *combining,
+                                         incoming_first)  # fmt: skip
         else:
             found, sent, n = native_swap(fd, head, payload, room, seconds)
         if found == UNSENT:

@@ -33,7 +33,7 @@ import numpy as np
 from . import forks, plans
 from .algorithms import REDUCIBLE, Array, reduction_refused
 from .backends import Backend, backend_for
-from .backends.native import DirectAllreduce, NativeBackend
+from .backends.native import DirectCalls, NativeBackend
 from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
@@ -101,7 +101,7 @@ class Communicator(BlockingCalls):
         self._parent: Communicator | None = None  # a group: the communicator it lives on
         here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run)
         direct = isinstance(here, NativeBackend) and here.members == tuple(range(world_size))
-        self._direct = DirectAllreduce(here) if direct else None  # type: ignore[arg-type]
+        self._direct = DirectCalls(here) if direct else None  # type: ignore[arg-type]
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------
@@ -124,18 +124,25 @@ class Communicator(BlockingCalls):
         direct = self._direct
         if direct is not None and type(x) is np.ndarray and inplace and timeout is None and (
             type(op) is str and type(priority) is int
-        ):  # fmt: skip  # (the most frequent call: DirectAllreduce; anything else, below)
+        ):  # fmt: skip  # (the most frequent call: DirectCalls; anything else, below)
             prepared = direct.prepared(x, op)
             if prepared is not None and self._open():
                 key = self._keys.next(name)
                 label = _label("allreduce", name, key)
-                made = direct.run(x, prepared, op, key, label, priority, self._runner)
+                made = direct.allreduce(x, prepared, op, key, label, priority, self._runner)
                 return x if made is None else made.wait()
         return self._run(self._allreduce_plan(x, op, inplace), name, priority, timeout)
 
     def barrier(self, *, name: str | None = None, timeout: float | None = None) -> None:
         """``ibarrier(...).wait()``, on this thread where nothing else needs to move, as
         ``allreduce``: it is as short."""
+        direct = self._direct
+        if direct is not None and timeout is None and self._open():  # (as allreduce's)
+            key = self._keys.next(name)
+            made = direct.barrier(key, _label("barrier", name, key), self._runner)
+            if made is not None:
+                made.wait()
+            return
         self._run(self._barrier_plan(), name, 0, timeout)
 
     def _run(self, plan: Plan, name: str | None, priority: int, timeout: float | None) -> Any:

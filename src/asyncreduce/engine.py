@@ -78,6 +78,7 @@ _ASIDE_GRACE = 10e-3  # how long this thread stays aside after a direct run gave
 # at its next one, instead of waking it from poll() to take the loop back each time
 _SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
 _TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
+_NOTHING = memoryview(b"")  # the payload of a swap of empty messages (a barrier's)
 _TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without the GIL (in C),
 # so another thread's post or wait is noticed within it
 
@@ -436,12 +437,12 @@ class Engine(FrameSink):
         if swaps is None:
             return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, algo.start())
         transport, combining, done = self.transport, algo.combining, 0
-        into = combining.into
+        into = _NOTHING if combining is None else combining.into  # (None: empty messages)
         for peer, step, incoming_first in swaps:
             head = data_head(key, step, 0, into.nbytes, desc)
             view = transport.swap(peer, head, into, priority, _TAKE_LOOK, combining,
                                   incoming_first)  # fmt: skip
-            if view is not COMBINED:
+            if view is not COMBINED and (combining or view is None or view is ELSEWHERE):
                 sends = algo.swapped(done)  # (this step's message left)
                 return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,
                                    view, head)  # fmt: skip

@@ -1,16 +1,20 @@
-"""Dissemination barrier.
+"""Dissemination barrier (a butterfly where the ranks are a power of two).
 
 Theory of operation: in round i (i = 0 .. ceil(log2 n)-1) rank r sends an empty message to
 r + 2^i and waits for one from r - 2^i (mod n). Round i+1 is sent only once round i's message
 arrived, so after the last round every rank has heard, directly or not, from every other one.
 ceil(log2 n) rounds of empty messages; a message of a later round that comes early waits.
+
+Where n is a power of two, round i's partner is r xor 2^i both ways instead (after round i,
+r has heard from its whole block of 2^(i+1) ranks): the same rounds and messages, and each
+round a swap with one partner, which a direct run makes in one call (``swaps``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .base import Array, Collective, ProtocolError, Send
+from .base import Array, Collective, Combining, ProtocolError, Send, Swap
 
 __all__ = ["Barrier"]
 
@@ -29,8 +33,11 @@ class Barrier(Collective):
         self._expected = self._rounds
         self._arrived: set[int] = set()
         self._next = 0  # the round whose message this rank waits for
+        self._butterfly = world_size & (world_size - 1) == 0  # a power of two: r xor 2^i
         self.sources = frozenset(self._source(s) for s in range(self._rounds))
-        self.partners = self.sources | {(rank + (1 << s)) % world_size for s in range(self._rounds)}
+        self.partners = self.sources | {self._target(s) for s in range(self._rounds)}
+        if self._butterfly and self._rounds:  # (RunsDirectly: every round a swap)
+            self.swaps = tuple(Swap(self._target(s), s, False) for s in range(self._rounds))
 
     @property
     def awaited(self) -> tuple[int, int] | None:
@@ -40,7 +47,28 @@ class Barrier(Collective):
         return self._source(self._next), self._next
 
     def _source(self, step: int) -> int:
+        if self._butterfly:
+            return self.rank ^ (1 << step)
         return (self.rank - (1 << step)) % self.world_size
+
+    def _target(self, step: int) -> int:
+        if self._butterfly:
+            return self.rank ^ (1 << step)
+        return (self.rank + (1 << step)) % self.world_size
+
+    @property
+    def combining(self) -> Combining | None:
+        """(``RunsDirectly``) Nothing to combine: a barrier's messages are empty."""
+        return None
+
+    def swapped(self, done: int) -> list[Send]:
+        """(``RunsDirectly``) The caller ran the first ``done`` of ``swaps`` (their messages
+        arrived) and the next one's message left: go on from there."""
+        if self.swaps is None or not 0 <= done <= self._rounds or self._received:
+            raise ProtocolError(f"barrier: {done} swaps cannot have run here")
+        self._arrived.update(range(done))
+        self._received = self._next = done
+        return []
 
     @property
     def pending_sources(self) -> set[int]:
@@ -49,7 +77,7 @@ class Barrier(Collective):
     def _send(self, step: int) -> list[Send]:
         if step >= self._rounds:
             return []
-        return [Send((self.rank + (1 << step)) % self.world_size, step, 0, _EMPTY)]
+        return [Send(self._target(step), step, 0, _EMPTY)]
 
     def start(self) -> list[Send]:
         return self._send(0)

@@ -112,7 +112,7 @@ class Collective(ABC):
     # an algorithm says otherwise)
 
     @property
-    def combining(self) -> Combining:
+    def combining(self) -> Combining | None:
         raise ProtocolError(f"{type(self).__name__} has no swaps")
 
     def swapped(self, done: int) -> list[Send]:
@@ -158,8 +158,9 @@ class RunsDirectly(Protocol):
         None: message by message (``start``, ``awaited``, ``on_view``)."""
 
     @property
-    def combining(self) -> Combining:
-        """How each of ``swaps`` combines what it receives (only where there are swaps)."""
+    def combining(self) -> Combining | None:
+        """How each of ``swaps`` combines what it receives (only where there are swaps);
+        None: its messages are empty, nothing to combine (a barrier)."""
 
     def swapped(self, done: int) -> list[Send]:
         """The first ``done`` of ``swaps`` ran, and the next one's message left (if any):

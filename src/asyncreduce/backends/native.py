@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,7 +48,7 @@ from .base import EngineBackend, log_post
 if TYPE_CHECKING:
     from ..ordered.engine import OrderedEngine
 
-__all__ = ["DirectAllreduce", "LocalBackend", "NativeBackend"]
+__all__ = ["DirectCalls", "LocalBackend", "NativeBackend"]
 
 _DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread,
 _DIRECT_ALGORITHMS = (RecursiveDoubling, Barrier)  # built as these (a group's are wrapped)
@@ -215,17 +216,21 @@ class NativeBackend(EngineBackend):
         return dataclasses.replace(self.planes.data_plane("native"), lane=self.lane is not None)
 
 
-class DirectAllreduce:
-    """A communicator's blocking small allreduce of a numpy array, run on its caller's thread
-    (``Engine.run``) in the fewest Python steps: the most frequent call of all (a loss, a
-    metric, a layer's gradients in forward mode), where each step of the general path (a
-    ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at the wire. The
-    same operation as the general path's, key, descriptor and algorithm alike; what it does
-    not take (``prepared`` says None) the general path runs, with its checks and errors."""
+class DirectCalls:
+    """A communicator's blocking small allreduce of a numpy array, and its barrier, run on
+    the caller's thread (``Engine.run``) in the fewest Python steps: the most frequent calls
+    of all (a loss, a metric, a layer's gradients in forward mode), where each step of the
+    general path (a ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at
+    the wire. The same operations as the general path's, key, descriptor and algorithm
+    alike; an allreduce this does not take (``prepared`` says None) the general path runs,
+    with its checks and errors."""
 
     def __init__(self, backend: NativeBackend) -> None:
         self._backend = backend
         self._known: dict[tuple[np.dtype[Any], str, int], tuple[DType, Descriptor] | None] = {}
+        empty = numpy_dtype(np.dtype(np.uint8))
+        assert empty is not None
+        self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
 
     def prepared(self, x: Array, op: str) -> tuple[DType, Descriptor] | None:
         """``x``'s element type and the operation's descriptor, if this runs it: a small,
@@ -249,7 +254,7 @@ class DirectAllreduce:
             return None
         return dtype, Descriptor(KINDS["allreduce"], dtype.code, REDUCTION_CODES[op], 0, x.size)
 
-    def run(
+    def allreduce(
         self, x: Array, prepared: tuple[DType, Descriptor], op: str, key: Key, label: str,
         priority: int, runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
@@ -259,13 +264,29 @@ class DirectAllreduce:
         dtype, desc = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
         algo = RecursiveDoubling(backend.rank, backend.world_size, flat, dtype, op)
-        log_post(backend.rank, label, desc)
+        return self._run(algo, desc, key, label, priority, lambda: x, runner)
+
+    def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
+        """``Engine.run`` of a barrier numbered ``key``: None, done; else its request."""
+        backend = self._backend
+        algo = Barrier(backend.rank, backend.world_size)
+        return self._run(algo, self._barrier, key, label, 0, _nothing, runner)
+
+    def _run(
+        self, algo: RecursiveDoubling | Barrier, desc: Descriptor, key: Key, label: str,
+        priority: int, result: Callable[[], Any], runner: CallbackRunner,
+    ) -> Request[Any] | None:  # fmt: skip
+        log_post(self._backend.rank, label, desc)
 
         def adopt() -> Operation:
             request: Request[Any] = Request(label, runner)
-            return Operation(key, label, desc, algo, request, lambda: x, priority, None)
+            return Operation(key, label, desc, algo, request, result, priority, None)
 
-        return backend.engine.run(key, label, desc, algo, priority, None, adopt)
+        return self._backend.engine.run(key, label, desc, algo, priority, None, adopt)
+
+
+def _nothing() -> None:
+    """A barrier's result."""
 
 
 class LocalBackend:

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"ARDC"
-VERSION: Final = 2  # 2: FLOW instance 2 (Resume); a HELLO carries it too
+VERSION: Final = 3  # 2: FLOW instance 2 (Resume); 3: the butterfly barrier; a HELLO carries it
 DATA: Final = 1
 ERROR: Final = 2
 GOODBYE: Final = 3

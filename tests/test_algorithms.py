@@ -1186,13 +1186,18 @@ def test_a_group_allreduce_over_the_ranks_of_a_bigger_world(
         assert net.sent_by[m] == 0 and net.received_by[m] == 0
 
 
-def _run_directly(algos: list[RunsDirectly]) -> tuple[list[set[int]], list[set[int]]]:
+def _run_directly(
+    algos: list[RunsDirectly],
+    streams: dict[tuple[int, int], list[tuple[int, np.ndarray]]] | None = None,
+    started: bool = False,
+) -> tuple[list[set[int]], list[set[int]]]:
     """Every rank's algorithm run as ``Engine.run`` runs it: sends in order on FIFO streams,
     each rank reading only the stream of the message it awaits, and only when that message
     is the stream's next (else it would hand the run to the engine). Returns the ranks each
-    received from and sent to."""
+    received from and sent to. ``started``: the algorithms went on from swaps, whose
+    messages in flight are on ``streams`` ((from, to): [(step, payload), ...])."""
     n = len(algos)
-    streams: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+    streams = {} if streams is None else streams
     got: list[set[int]] = [set() for _ in range(n)]
     sent: list[set[int]] = [set() for _ in range(n)]
 
@@ -1203,7 +1208,8 @@ def _run_directly(algos: list[RunsDirectly]) -> tuple[list[set[int]], list[set[i
             sent[src].add(s.dst)
 
     for r in range(n):
-        post(r, algos[r].start())
+        if not started:
+            post(r, algos[r].start())
     while any(a.awaited is not None for a in algos):
         moved = False
         for r, algo in enumerate(algos):
@@ -1237,3 +1243,68 @@ def test_direct_runs_read_only_the_awaited_streams_and_complete(n: int) -> None:
             assert algo.partners == got[r] | sent[r], (type(algo).__name__, r)
     for algo in doubling:
         assert np.all(algo.buffer == n * (n + 1) / 2)
+
+
+def _swaps_then_directly(algos: list[RunsDirectly], done: int) -> list[RunsDirectly]:
+    """Every rank runs the first ``done`` of its ``swaps`` as ``Engine._exchange`` does (in
+    lockstep here: each swap sends the buffer as it is, and combines the partner's as it
+    was), sends the next swap's message, says ``swapped(done)``, and goes on message by
+    message (``_run_directly``)."""
+    streams: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+    for i in range(done):
+        sent = [np.array(a.combining.into).copy() if a.combining else None for a in algos]
+        for r, algo in enumerate(algos):
+            peer, step, incoming_first = algo.swaps[i]
+            assert algos[peer].swaps[i][:2] == (r, step), "swaps are not pairwise"
+            if algo.combining is not None:
+                assert incoming_first == (peer < r)  # (the lower rank's operand first)
+                c, acc = algo.combining, algo.buffer
+                incoming = np.frombuffer(sent[peer].tobytes(), acc.dtype)
+                combine(algo.dtype, algo.reduce_op, acc, incoming, incoming_first)
+                assert c.dtype == algo.dtype.code and c.into.nbytes == acc.nbytes
+    for r, algo in enumerate(algos):
+        if done < len(algo.swaps):
+            peer, step, _ = algo.swaps[done]
+            payload = np.array(algo.combining.into).copy() if algo.combining else np.empty(0)
+            streams.setdefault((r, peer), []).append((step, payload))
+        assert algo.swapped(done) == []
+    _run_directly(algos, streams, started=True)
+    return algos
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_swaps_then_messages_agree_bitwise_with_messages_alone(n: int, op: str) -> None:
+    """A direct run's swaps (``RunsDirectly.swaps``, a power of two ranks), stopped after any
+    number of them (the rest taken over message by message, as when a swap's partner is not
+    there yet), give the bits of the algorithm run message by message alone, with random
+    floats whose sums depend on the order of operations; so does a barrier's."""
+    rng = np.random.default_rng(n)
+    f32 = DTYPES["float32"]
+    inputs = [(rng.standard_normal(33) * 10.0 ** rng.integers(-3, 4, 33)).astype(np.float32)
+              for _ in range(n)]  # fmt: skip
+    alone = [RecursiveDoubling(r, n, inputs[r].copy(), f32, op) for r in range(n)]
+    _run_directly(alone)  # type: ignore[arg-type]
+    rounds = n.bit_length() - 1
+    for done in range(rounds + 1):
+        swapped = [RecursiveDoubling(r, n, inputs[r].copy(), f32, op) for r in range(n)]
+        assert all(len(a.swaps) == rounds for a in swapped)
+        _swaps_then_directly(swapped, done)  # type: ignore[arg-type]
+        for r in range(n):
+            assert swapped[r].done
+            assert swapped[r].buffer.tobytes() == alone[r].buffer.tobytes(), (done, r)
+        barriers = _swaps_then_directly([Barrier(r, n) for r in range(n)], done)
+        assert all(b.done for b in barriers)
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_only_a_power_of_two_ranks_swap(n: int) -> None:
+    """Elsewhere a rank sits out or sends one way: message by message only."""
+    f32 = DTYPES["float32"]
+    for r in range(n):
+        algo = RecursiveDoubling(r, n, np.ones(4, np.float32), f32, "sum")
+        assert algo.swaps is None and Barrier(r, n).swaps is None
+        with pytest.raises(ProtocolError):
+            algo.swapped(0)
+    assert Barrier(0, 1).swaps is None
+    assert RecursiveDoubling(0, 1, np.ones(1, np.float32), f32, "sum").swaps is None

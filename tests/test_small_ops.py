@@ -357,6 +357,53 @@ def test_a_rank_that_never_runs_them_directly_agrees_with_those_that_do() -> Non
     assert results[0]["direct"] > 0 and results[2]["direct"] > 0
 
 
+def body_direct_against_general(comm: ar.Communicator) -> dict[str, Any]:
+    """The same allreduces through ``DirectCalls`` (a contiguous, writable numpy array, in
+    place) and through the general path (a copy: inplace=False; a read-only array; a list),
+    interleaved, so their keys interleave too; then the errors of bad calls, which the
+    general path raises for both. Returns whether each pair agreed bitwise, the errors, and
+    how many ran directly."""
+    agree, errors = True, []
+    rng = np.random.default_rng(comm.rank)
+    for i in range(60):
+        dtype, op = CASES[i % len(CASES)]
+        x = (rng.standard_normal((3, _small_size(i) // 3 + 1)) * 100).astype(dtype)
+        copied = comm.allreduce(x, op=op, inplace=False)  # (the general path)
+        readonly = x.copy()
+        readonly.flags.writeable = False
+        general = comm.allreduce(readonly, op=op, inplace=False)
+        comm.allreduce(x, op=op)  # (DirectCalls: 2-D, reshaped)
+        agree &= x.tobytes() == copied.tobytes() == general.tobytes()
+    for bad in ({"op": "mean"}, {"op": ["sum"]}, {"priority": 1.5}, {"name": ""}):
+        try:
+            comm.allreduce(np.ones(4, np.float32), **bad)
+        except ar.UsageError as exc:
+            errors.append(str(exc))
+    try:
+        comm.allreduce(np.ones(4, np.float32)[::2])  # (not contiguous)
+    except ar.UsageError as exc:
+        errors.append(str(exc))
+    comm.barrier()
+    ran = _engine(comm).direct
+    comm.close()
+    try:
+        comm.allreduce(np.ones(4, np.float32))
+    except ar.ClosedError as exc:
+        errors.append(str(exc))
+    return {"agree": agree, "errors": errors, "direct": ran}
+
+
+def test_direct_calls_and_the_general_path_agree_and_refuse_alike() -> None:
+    results = run_ranks(2, body_direct_against_general, env=TCP, timeout=120)
+    for rank, got in results.items():
+        assert got["agree"], f"rank {rank}: the paths differ"
+        assert got["direct"] >= 30, got["direct"]
+        errors = got["errors"]
+        assert len(errors) == 6, errors
+        assert "mean" in errors[0] and "priority" in errors[2] and "name" in errors[3]
+        assert "contiguous" in errors[4] and "closed" in errors[5]
+
+
 def body_after_back_pressure(comm: ar.Communicator) -> dict[str, Any]:
     """Rank 0 posts eight 256 KiB named allreduces while rank 1 sleeps (a 64 KiB cap:
     rank 1 says Hold), then rank 1 posts them in the other order; then 100 blocking 1 KiB
@@ -435,10 +482,12 @@ def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:
     return {"completed": completed, "error": None, "direct": _engine(comm).direct}
 
 
-def test_a_rank_that_looks_in_python_agrees_with_those_that_look_in_c() -> None:
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_rank_that_looks_in_python_agrees_with_those_that_look_in_c(n: int) -> None:
     """A direct run's look at its partner's stream is C's (_stream_core) or Python's
-    (ASYNCREDUCE_NATIVE=0), each rank on its own: the same frames, the same results."""
-    results = run_ranks(3, body_direct, env=TCP, rank_env={1: {"ASYNCREDUCE_NATIVE": "0"}},
+    (ASYNCREDUCE_NATIVE=0), each rank on its own: the same frames, the same results. With
+    four ranks every step is a swap, which C combines as it arrives and Python with numpy."""
+    results = run_ranks(n, body_direct, env=TCP, rank_env={1: {"ASYNCREDUCE_NATIVE": "0"}},
                         timeout=120)  # fmt: skip
     assert len({got["digest"] for got in results.values()}) == 1, "the ranks differ"
     for rank, got in results.items():

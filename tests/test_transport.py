@@ -16,7 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncreduce.transport.base import ELSEWHERE
+from asyncreduce.algorithms import (
+    DTYPES,
+    REDUCIBLE,
+    REDUCTION_CODES,
+    REDUCTIONS,
+    Combining,
+    combine,
+)
+from asyncreduce.transport.base import COMBINED, ELSEWHERE
 from asyncreduce.transport.frame import (
     DATA,
     FLAG_SHM,
@@ -30,6 +38,13 @@ from asyncreduce.transport.frame import (
 )
 from asyncreduce.transport.shm import create_arena, open_arena
 from asyncreduce.transport.tcp import TcpTransport, native_take
+
+try:
+    from asyncreduce._stream_core import COMBINED as COMBINED_HERE
+    from asyncreduce._stream_core import combines as native_combines
+    from asyncreduce._stream_core import swap as native_swap
+except ImportError:  # not built: the C tests skip
+    native_swap = None  # type: ignore[assignment]
 
 DESC = Descriptor(1, 2, 1, 0, 10)
 
@@ -499,5 +514,122 @@ def test_send_now_says_whether_the_frame_left_whole_and_keeps_the_order() -> Non
     pump(ta, tb, until=lambda: len(sb.frames) == 3)
     assert [(h.step, p) for _, h, p in sb.frames] == [(1, small), (2, big), (3, small)]
     assert sa.sent == [None, None, None] and not sb.lost
+    ta.close()
+    tb.close()
+
+
+#: What _stream_core.swap combines in C: every reduction of these element types (bool,
+#: float16, bfloat16 and complex are numpy's: ``combines`` says no)
+NATIVE_COMBINES = [(d, op) for d in ("float32", "float64", "int8", "int16", "int32", "int64",
+                                     "uint8") for op in REDUCTIONS
+                   if (DTYPES[d].code, op) in REDUCIBLE]  # fmt: skip
+
+
+def _operands(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random pairs of ``dtype``, and for floats first the pairs whose result's bits depend
+    on the order of the operands: -0.0 against 0.0, a NaN against a number and against
+    another NaN (another payload), infinities."""
+    if not dtype.startswith("float"):
+        info = np.iinfo(dtype)
+        return tuple(rng.integers(info.min, info.max, 509, dtype=dtype, endpoint=True)
+                     for _ in range(2))  # type: ignore[return-value]  # fmt: skip
+    nan_a, nan_b = (np.array([bits], "u8").view("f8").astype(dtype) for bits in
+                    (0x7FF8000000000001, 0xFFF8000000000002))  # fmt: skip
+    first = [0.0, -0.0, np.nan, 1.0, nan_a[0], np.inf, -np.inf, np.inf]
+    second = [-0.0, 0.0, 1.0, np.nan, nan_b[0], -np.inf, np.inf, np.inf]
+    a, b = (rng.standard_normal(509).astype(dtype) * 1e30 for _ in range(2))
+    a[:8], b[:8] = first, second
+    return a, b
+
+
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+@pytest.mark.parametrize(("dtype", "op"), NATIVE_COMBINES)
+def test_swap_combines_what_arrives_as_numpy_does(dtype: str, op: str) -> None:
+    """A direct run's step in one call: its frame sent, the partner's taken and combined into
+    the buffer in C, bit for bit as ``reduction.combine`` (both operand orders: a tie of -0.0
+    and 0.0, which NaN), integers wrapping."""
+    assert native_combines(DTYPES[dtype].code, REDUCTION_CODES[op])
+    rng = np.random.default_rng(len(dtype) + len(op))
+    for incoming_first in (False, True):
+        a, b = socket.socketpair()
+        with a, b:
+            mine, theirs = _operands(dtype, rng)
+            head, _ = frame(b"op", theirs.tobytes(), step=1)
+            b.sendall(head + theirs.tobytes())  # the partner's frame, there first
+            acc, room = mine.copy(), memoryview(bytearray(len(head) + mine.nbytes))
+            into = memoryview(acc).cast("B")
+            found, sent, taken = native_swap(a.fileno(), head, bytes(into), room, 1.0, into,
+                                             DTYPES[dtype].code, REDUCTION_CODES[op],
+                                             incoming_first)  # fmt: skip
+            assert (found, sent, taken) == (COMBINED_HERE, len(room), len(room))
+            assert b.recv(len(room), socket.MSG_WAITALL) == head + mine.tobytes()  # its frame
+        want = mine.copy()
+        with np.errstate(all="ignore"):
+            combine(DTYPES[dtype], op, want, theirs, incoming_first)
+        if dtype.startswith("float") and op not in ("max", "min"):  # which NaN a sum of two
+            both = np.isnan(mine) & np.isnan(theirs)  # keeps is the compiler's (_fold.h)
+            assert np.isnan(acc[both]).all()
+            acc[both] = want[both] = 0
+        assert acc.tobytes() == want.tobytes(), (dtype, op, incoming_first)
+
+
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+def test_only_what_c_combines_is_given_to_it() -> None:
+    for dtype in ("float16", "bfloat16", "bool", "complex64", "complex128"):
+        assert not native_combines(DTYPES[dtype].code, REDUCTION_CODES["sum"]), dtype
+    assert not native_combines(DTYPES["float32"].code, REDUCTION_CODES["band"])  # (refused)
+    with pytest.raises(ValueError, match="cannot combine"):
+        native_swap(0, b"h" * 60, b"x" * 8, memoryview(bytearray(68)), 0.0,
+                    memoryview(bytearray(8)), DTYPES["float16"].code, REDUCTION_CODES["sum"])
+
+
+@pytest.mark.parametrize("native", TAKES)
+def test_swap_sends_its_frame_then_takes_the_partners(native: bool) -> None:
+    """``Transport.swap``: this rank's frame goes straight out, and the partner's, of the same
+    header, is taken off the stream (combined, in C; else handed back to combine); not there
+    yet: None, and ``take_frame`` looks again; what is not the frame: ELSEWHERE."""
+    ta, sa, tb, sb = tcp_pair(native)
+    mine, theirs = np.arange(256, dtype=np.float32), np.full(256, 0.5, np.float32)
+    head, _ = frame(b"op", mine.tobytes(), step=1)
+    how = Combining(memoryview(mine).cast("B"), DTYPES["float32"].code, REDUCTION_CODES["sum"])
+    assert ta.swap(1, head, how.into, 0, 0.001, how, False) is None  # rank 1 has not sent
+    how_b = Combining(memoryview(theirs).cast("B"), how.dtype, how.op)
+    got = tb.swap(0, head, how_b.into, 0, 0.001, how_b, True)
+    if native:
+        assert got is COMBINED
+    else:  # (the Python look hands the payload back, for numpy to combine)
+        assert got is not None and got is not ELSEWHERE and got.tobytes() == mine.tobytes()
+        theirs += np.frombuffer(got, np.float32)
+    assert np.array_equal(theirs, np.arange(256) + 0.5)
+    taken = ta.take_frame(1, head, mine.nbytes, 1.0) if native else None  # rank 0 takes 1's
+    deadline = time.monotonic() + 5
+    while taken is None and time.monotonic() < deadline:
+        taken = ta.take_frame(1, head, mine.nbytes)
+    assert taken is not None and np.array_equal(np.frombuffer(taken, np.float32), theirs - mine)
+    assert sa.sent == [None] and sb.sent == [None] and not sa.frames and not sb.frames
+    # a frame of another step first: not this one; poll reads it
+    other, _ = frame(b"op", mine.tobytes(), step=2)
+    tb.send(0, other, memoryview(mine.tobytes()), 0, "other")
+    assert ta.swap(1, head, how.into, 0, 0.05, how, False) is ELSEWHERE
+    pump(ta, tb, until=lambda: len(sa.frames) == 1 and len(sb.frames) == 1)
+    assert sa.frames[0][1].step == 2 and sb.frames[0][1].step == 1  # (and the swap's frame)
+    ta.close()
+    tb.close()
+
+
+@pytest.mark.parametrize("native", TAKES)
+def test_a_swap_whose_frame_does_not_leave_whole_sends_the_buffer_as_it_was(native: bool) -> None:
+    """A swap sends the caller's buffer itself, which changes as soon as the swap returns:
+    what did not fit the socket is queued as a copy, so the partner gets the buffer as it
+    was, and ELSEWHERE says the run cannot go on directly."""
+    ta, sa, tb, sb = tcp_pair(native)
+    big = np.random.default_rng(5).integers(0, 255, 32 << 20, dtype=np.uint8)
+    want = big.tobytes()
+    head, _ = frame(b"op", want, step=1)
+    assert ta.swap(1, head, memoryview(big), 0, 0.001) is ELSEWHERE
+    assert not ta.quiet(1, 64)
+    big[:] = 7  # (the run goes on: the buffer changes)
+    pump(ta, tb, until=lambda: len(sb.frames) == 1)
+    assert sb.frames[0][2] == want and not sb.lost
     ta.close()
     tb.close()

@@ -21,8 +21,10 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
 * **whole**: ``allreduce`` in a loop on N real ranks (``asyncreduce run``): the latency, and the
   CPU each rank's process used per operation (all its threads), through the same-host lane
   (the default: shared-memory mailboxes, no frame), through the engine with the progress
-  thread's busy-poll (``ASYNCREDUCE_LANE=0``), and through the engine without it
-  (``ASYNCREDUCE_SPIN_US=0``, which turns the lane off too).
+  thread's busy-poll (``ASYNCREDUCE_LANE=0``: a blocking one runs on its caller's thread,
+  its frames straight through the sockets, around the protocol's events: ``Engine.run``),
+  and through the engine without it (``ASYNCREDUCE_SPIN_US=0``, which turns the lane off
+  too: every operation goes through the protocol and the progress thread).
 
 Run: ``asyncreduce bench small_ops [--size 4K] [--nprocs 2,4] [--json FILE]``. The numbers are
 medians of ``--repeats`` runs; absolute values differ several-fold between machines, so read

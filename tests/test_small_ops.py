@@ -404,6 +404,30 @@ def test_direct_calls_and_the_general_path_agree_and_refuse_alike() -> None:
         assert "contiguous" in errors[4] and "closed" in errors[5]
 
 
+def body_barriers_between_lane_allreduces(comm: ar.Communicator) -> dict[str, Any]:
+    """On one host with the same-host lane open: unnamed small allreduces (the lane's) and
+    blocking barriers (the engine's, each noting its slot in the lane) in turn, unnamed and
+    named, then an average whose division underflows, under numpy errors that raise."""
+    sums = []
+    for i in range(30):
+        x = np.full(8, float(comm.rank + i), np.float32)
+        comm.allreduce(x)
+        sums.append(float(x[0]))
+        comm.barrier(name=None if i % 3 else "b")
+    tiny = np.full(4, np.finfo(np.float32).smallest_subnormal * (comm.rank + 1), np.float32)
+    with np.errstate(all="raise"):
+        comm.allreduce(tiny, op="avg", name="tiny")  # (1.5 x the smallest: inexact)
+    return {"sums": sums, "lane": comm.data_plane.lane, "tiny": tiny.tolist()}
+
+
+def test_barriers_between_lane_allreduces_keep_the_lane_going() -> None:
+    results = run_ranks(2, body_barriers_between_lane_allreduces, timeout=60)
+    for rank, got in results.items():
+        assert got["lane"], "the lane did not open: this test needs it"
+        assert got["sums"] == [float(2 * i + 1) for i in range(30)], rank
+        assert got["tiny"] == results[0]["tiny"] and got["tiny"][0] > 0
+
+
 def body_after_back_pressure(comm: ar.Communicator) -> dict[str, Any]:
     """Rank 0 posts eight 256 KiB named allreduces while rank 1 sleeps (a 64 KiB cap:
     rank 1 says Hold), then rank 1 posts them in the other order; then 100 blocking 1 KiB

@@ -41,6 +41,7 @@ from asyncreduce.transport.tcp import TcpTransport, native_take
 
 try:
     from asyncreduce._stream_core import COMBINED as COMBINED_HERE
+    from asyncreduce._stream_core import FRAME as FRAME_HERE
     from asyncreduce._stream_core import combines as native_combines
     from asyncreduce._stream_core import swap as native_swap
 except ImportError:  # not built: the C tests skip
@@ -633,3 +634,26 @@ def test_a_swap_whose_frame_does_not_leave_whole_sends_the_buffer_as_it_was(nati
     assert sb.frames[0][2] == want and not sb.lost
     ta.close()
     tb.close()
+
+
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+def test_swap_leaves_what_does_not_lie_at_whole_elements_to_its_caller() -> None:
+    """C combines whole elements only where both the buffer and the partner's payload lie at
+    a multiple of their size; a name of odd length, or an array that starts off one, gets
+    the frame back uncombined (FRAME), which the caller combines with numpy."""
+    code, add = DTYPES["float64"].code, REDUCTION_CODES["sum"]
+    for name, offset in ((b"odd", 0), (b"8 bytes!", 0), (b"8 bytes!", 1)):
+        a, b = socket.socketpair()
+        with a, b:
+            raw = bytearray(8 * 32 + 8)
+            acc = np.frombuffer(raw, np.float64, 32, offset=offset)  # (writable, maybe off)
+            acc[:] = 1.0
+            theirs = np.full(32, 2.0)
+            head, _ = frame(name, theirs.tobytes(), step=1)
+            b.sendall(head + theirs.tobytes())
+            room = memoryview(bytearray(len(head) + 256))
+            into = memoryview(acc).cast("B")
+            found, _, _ = native_swap(a.fileno(), head, bytes(into), room, 1.0, into, code, add)
+        whole = len(head) % 8 == 0 and offset == 0
+        assert found == (COMBINED_HERE if whole else FRAME_HERE), (name, offset)
+        assert np.all(acc == (3.0 if whole else 1.0))

@@ -78,6 +78,17 @@ static int ar_fold(int dtype, int op, void *out, uint8_t *const *parts, int worl
     case AR_BAND: AR_COMBINE(T, S##_band); case AR_BOR: AR_COMBINE(T, S##_bor); \
     case AR_BXOR: AR_COMBINE(T, S##_bxor); default: return 0;
 
+/* The bytes of an element of a dtype ar_combine takes (0 for any other) */
+static int ar_itemsize(int dtype) {
+    switch (dtype) {
+    case AR_F32: case AR_I32: return 4;
+    case AR_F64: case AR_I64: return 8;
+    case AR_I16: return 2;
+    case AR_I8: case AR_U8: return 1;
+    default: return 0;
+    }
+}
+
 /* acc = acc (op) incoming, or incoming (op) acc, as reduction.combine (avg adds: the division
    comes once, at the end); 0, acc untouched, for what is not combined here */
 static int ar_combine(int dtype, int op, void *acc, const void *incoming, ptrdiff_t nbytes,

@@ -15,6 +15,7 @@ received, and the loop judges them as if it had read them itself.
 """
 
 from libc.errno cimport EAGAIN, EINTR, errno
+from libc.stdint cimport uintptr_t
 from libc.string cimport memcmp, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -42,6 +43,7 @@ cdef extern from "<sched.h>" nogil:
 cdef extern from "_fold.h" nogil:
     int ar_combine(int dtype, int op, void *acc, const void *incoming, Py_ssize_t nbytes,
                    int incoming_first)
+    int ar_itemsize(int dtype)
 
 
 cdef enum:  # what ``take`` found: the frame (room[:whole]), nothing yet (nothing taken),
@@ -120,6 +122,13 @@ def combines(int dtype, int op):
     return ar_combine(dtype, op, NULL, NULL, 0, 0) != 0
 
 
+cdef inline bint _aligned(const void *a, const void *b, int dtype) noexcept nogil:
+    """Both at a multiple of the element size (a named operation's header is of any length,
+    a caller's array may start anywhere): the C loops read and write whole elements."""
+    cdef uintptr_t size = <uintptr_t>ar_itemsize(dtype)
+    return size != 0 and ((<uintptr_t>a) | (<uintptr_t>b)) % size == 0
+
+
 def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload,
          unsigned char[::1] room, double seconds, unsigned char[::1] into=None, int dtype=0,
          int op=0, bint incoming_first=False):
@@ -130,7 +139,9 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
     (nothing taken); the bytes sent are then an errno, negated, on an error. Given ``into``
     (as long as the payload), the partner's payload is also combined into it as
     ``reduction.combine`` does (``dtype``, ``op``: reduction.py's codes; ``combines``), and
-    a FRAME is COMBINED: the step's reduction too, all in one call into C, without the GIL."""
+    a FRAME is COMBINED: the step's reduction too, all in one call into C, without the GIL
+    (where both lie at a multiple of the element size; else the FRAME is the caller's to
+    combine)."""
     cdef Py_ssize_t hl = head.shape[0], size = payload.shape[0], whole = hl + size, n = 0
     cdef ssize_t sent
     cdef int found = _UNSENT
@@ -156,7 +167,7 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
             sent = 0 if errno == EAGAIN or errno == EINTR else -errno
         elif sent == whole:
             found = _take(fd, &head[0], hl, &room[0], whole, seconds, &n)
-            if found == _FRAME and into is not None:
+            if found == _FRAME and into is not None and _aligned(target, &room[0] + hl, dtype):
                 ar_combine(dtype, op, target, &room[0] + hl, size, incoming_first)
                 found = _COMBINED
     return found, sent, n

@@ -100,7 +100,9 @@ class Communicator(BlockingCalls):
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
         here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run)
-        direct = isinstance(here, NativeBackend) and here.members == tuple(range(world_size))
+        direct = isinstance(here, NativeBackend) and here.members == tuple(
+            range(here.engine.world_size)
+        )  # fmt: skip
         self._direct = DirectCalls(here) if direct else None  # type: ignore[arg-type]
         _OPEN.add(self)
 

@@ -268,9 +268,11 @@ class DirectCalls:
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """``Engine.run`` of a barrier numbered ``key``: None, done; else its request."""
-        backend = self._backend
+        backend, desc = self._backend, self._barrier
+        if backend.lane is not None and not key[0]:  # (as _built: every unnamed one notes
+            backend.lane.note(key[1], desc)  # its slot, or the lane's next one waits for ever)
         algo = Barrier(backend.rank, backend.world_size)
-        return self._run(algo, self._barrier, key, label, 0, _nothing, runner)
+        return self._run(algo, desc, key, label, 0, _nothing, runner)
 
     def _run(
         self, algo: RecursiveDoubling | Barrier, desc: Descriptor, key: Key, label: str,

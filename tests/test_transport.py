@@ -519,6 +519,9 @@ def test_send_now_says_whether_the_frame_left_whole_and_keeps_the_order() -> Non
     tb.close()
 
 
+WHOLE = b"8 bytes!"  # a name whose header (48 bytes and the name) ends at a multiple of 8,
+# so C combines what follows it (of any element type): see the last test of this file
+
 #: What _stream_core.swap combines in C: every reduction of these element types (bool,
 #: float16, bfloat16 and complex are numpy's: ``combines`` says no)
 NATIVE_COMBINES = [(d, op) for d in ("float32", "float64", "int8", "int16", "int32", "int64",
@@ -555,7 +558,7 @@ def test_swap_combines_what_arrives_as_numpy_does(dtype: str, op: str) -> None:
         a, b = socket.socketpair()
         with a, b:
             mine, theirs = _operands(dtype, rng)
-            head, _ = frame(b"op", theirs.tobytes(), step=1)
+            head, _ = frame(WHOLE, theirs.tobytes(), step=1)
             b.sendall(head + theirs.tobytes())  # the partner's frame, there first
             acc, room = mine.copy(), memoryview(bytearray(len(head) + mine.nbytes))
             into = memoryview(acc).cast("B")
@@ -591,7 +594,7 @@ def test_swap_sends_its_frame_then_takes_the_partners(native: bool) -> None:
     yet: None, and ``take_frame`` looks again; what is not the frame: ELSEWHERE."""
     ta, sa, tb, sb = tcp_pair(native)
     mine, theirs = np.arange(256, dtype=np.float32), np.full(256, 0.5, np.float32)
-    head, _ = frame(b"op", mine.tobytes(), step=1)
+    head, _ = frame(WHOLE, mine.tobytes(), step=1)
     how = Combining(memoryview(mine).cast("B"), DTYPES["float32"].code, REDUCTION_CODES["sum"])
     assert ta.swap(1, head, how.into, 0, 0.001, how, False) is None  # rank 1 has not sent
     how_b = Combining(memoryview(theirs).cast("B"), how.dtype, how.op)
@@ -609,7 +612,7 @@ def test_swap_sends_its_frame_then_takes_the_partners(native: bool) -> None:
     assert taken is not None and np.array_equal(np.frombuffer(taken, np.float32), theirs - mine)
     assert sa.sent == [None] and sb.sent == [None] and not sa.frames and not sb.frames
     # a frame of another step first: not this one; poll reads it
-    other, _ = frame(b"op", mine.tobytes(), step=2)
+    other, _ = frame(WHOLE, mine.tobytes(), step=2)
     tb.send(0, other, memoryview(mine.tobytes()), 0, "other")
     assert ta.swap(1, head, how.into, 0, 0.05, how, False) is ELSEWHERE
     pump(ta, tb, until=lambda: len(sa.frames) == 1 and len(sb.frames) == 1)

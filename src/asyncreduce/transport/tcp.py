@@ -339,8 +339,7 @@ class TcpTransport(Transport):
             rest = memoryview(bytes(payload))  # (what is queued: the buffer changes next)
             self._sent(target, head, rest, None, (-priority, 0, 0), error)
             return ELSEWHERE
-        self.sink.on_sent(None)
-        if found == COMBINED_HERE:
+        if found == COMBINED_HERE:  # (a frame of no token left: nothing to report)
             return COMBINED
         return self._took(target, head, whole, room, found, n)
 

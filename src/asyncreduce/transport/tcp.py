@@ -158,14 +158,9 @@ class TcpTransport(Transport):
         return self._sent(peer, head, payload, token, order, n)
 
     def _sent(
-        self,
-        peer: Connection,
-        head: bytes,
-        payload: memoryview,
-        token: object,
-        order: tuple[int, int, int],
-        n: int | OSError,
-    ) -> bool:
+        self, peer: Connection, head: bytes, payload: memoryview, token: object,
+        order: tuple[int, int, int], n: int | OSError,
+    ) -> bool:  # fmt: skip
         """After a frame's ``sendmsg`` to an idle connection wrote ``n`` bytes of it (or
         failed): what did not leave is queued in flight (or reported unsent: the connection
         is lost). Whether it left whole."""

@@ -23,10 +23,12 @@ raised on this thread, which fails every request as for its own.
 
 A blocking small allreduce or barrier goes further (``run``): holding the loop while the
 engine is quiet (nothing in flight or kept, no beat due, every connection read within
-``_DIRECT_LOOK``), its caller runs the algorithm (recursive doubling, the dissemination
-barrier: ``RunsDirectly``) over the partners' connections itself, taking only the frames
-whose headers are exactly the expected ones; anything else hands it to the session where it
-stands, and the loop goes on from there as for any operation.
+``_DIRECT_LOOK``), its caller runs the algorithm (recursive doubling, the barrier:
+``RunsDirectly``) over the partners' connections itself, taking only the frames whose headers
+are exactly the expected ones; anything else hands it to the session where it stands, and the
+loop goes on from there as for any operation. Over a power of two ranks every step is a swap
+with one partner, which the transport makes in one call (in C: send, look, combine), the
+algorithm told only at the end how many ran (``RunsDirectly.swaps``).
 """
 
 from __future__ import annotations

@@ -117,10 +117,10 @@ class RecursiveDoubling(Collective):
         if done < rounds:
             self._step = self._sent_step = done + 1  # (steps are 1..rounds; this one's sent)
             return []
-        self._step, self._sent_step = rounds + 2, rounds  # (done, as _advance leaves it)
+        self._step, self._sent_step = rounds + 1, rounds  # (every step done: _advance ends it)
         if self.reduce_op == "avg":  # (it divides, on a caller's thread: numpy's errors,
-            quiet_numpy(finalize, self.dtype, "avg", self.buffer, self.world_size)  # ours)
-        return []  # (a power of two ranks: nobody sat out, to be sent the result)
+            return quiet_numpy(self._advance)  # ours)
+        return self._advance()
 
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1

@@ -107,13 +107,18 @@ class NativeBackend(EngineBackend):
         algo, desc = self._small_allreduce(plan) or built(
             plan, self.rank, self.world_size, self.planes
         )
-        if self.lane is not None and not key[0]:
-            self.lane.note(key[1], desc)
+        self.note_slot(key, desc)
         if self._translated:
             engine = self.engine
             algo = Translated(algo, self.members, engine.rank, engine.world_size)
         log_post(self.rank, label, desc)
         return algo, desc
+
+    def note_slot(self, key: Key, desc: Descriptor) -> None:
+        """Where the lane is open, an unnamed operation it does not take is noted in its slot:
+        every unnamed operation takes one, and the lane's next one waits for it."""
+        if self.lane is not None and not key[0]:
+            self.lane.note(key[1], desc)
 
     def run(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -127,11 +132,7 @@ class NativeBackend(EngineBackend):
         lane = self.lane
         if lane is None or not Lane.takes(plan.kind, plan.buf, key):
             algo, desc = self._built(plan, key, label)
-
-            def made() -> Operation:
-                request: Request[Any] = Request(label, runner)
-                return Operation(key, label, desc, algo, request, plan.result, priority, timeout)
-
+            made = _adopter(key, label, desc, algo, plan.result, priority, timeout, runner)
             if isinstance(algo, _DIRECT_ALGORITHMS) and plan.kind in _DIRECT_KINDS:
                 return self.engine.run(key, label, desc, algo, priority, timeout, made)
             op = made()
@@ -269,8 +270,7 @@ class DirectCalls:
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """``Engine.run`` of a barrier numbered ``key``: None, done; else its request."""
         backend, desc = self._backend, self._barrier
-        if backend.lane is not None and not key[0]:  # (as _built: every unnamed one notes
-            backend.lane.note(key[1], desc)  # its slot, or the lane's next one waits for ever)
+        backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         return self._run(algo, desc, key, label, 0, _nothing, runner)
 
@@ -279,16 +279,27 @@ class DirectCalls:
         priority: int, result: Callable[[], Any], runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
         log_post(self._backend.rank, label, desc)
-
-        def adopt() -> Operation:
-            request: Request[Any] = Request(label, runner)
-            return Operation(key, label, desc, algo, request, result, priority, None)
-
+        adopt = _adopter(key, label, desc, algo, result, priority, None, runner)
         return self._backend.engine.run(key, label, desc, algo, priority, None, adopt)
 
 
 def _nothing() -> None:
     """A barrier's result."""
+
+
+def _adopter(
+    key: Key, label: str, desc: Descriptor, algo: Collective, result: Callable[[], Any],
+    priority: int, timeout: float | None, runner: CallbackRunner,
+) -> Callable[[], Operation]:  # fmt: skip
+    """How a blocking call makes its ``Operation`` (with a request whose callbacks ``runner``
+    runs) where it cannot run on its caller's thread to the end (``Engine.run``'s ``adopt``):
+    only then, since most never need one."""
+
+    def adopt() -> Operation:
+        request: Request[Any] = Request(label, runner)
+        return Operation(key, label, desc, algo, request, result, priority, timeout)
+
+    return adopt
 
 
 class LocalBackend:

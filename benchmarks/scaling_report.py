@@ -12,6 +12,7 @@ scaling against hosts, one panel per model.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 USAGE_HEADERS = ["method", "hosts", "train CPU s/it", "progress CPU s/it", "other CPU s/it",
-                 "process CPU s/it", "cores busy", "link tx", "link rx"]  # fmt: skip
+                 "process CPU s/it", "train ready s/it", "progress ready s/it", "cores busy",
+                 "link tx", "link rx"]  # fmt: skip
 
 
 def _mean(values: list[float]) -> float:
@@ -143,16 +145,20 @@ def _mean(values: list[float]) -> float:
 
 def usage_cells(row: dict[str, Any], rate_bps: float) -> list[str]:
     """One row of "where the time goes": CPU seconds per iteration (mean over ranks) of the
-    training thread, the progress threads, the other threads and the process; all ranks'
-    process CPU over the cores' capacity in the row's s/iter; the link's mean utilisation each
-    way over the timed window ("-" on one host, where there is no link). "-" everywhere for a
-    result without ``usage`` (saved before it was measured)."""
+    training thread, the progress threads, the other threads and the process; the seconds
+    per iteration the training and the progress threads were ready to run and waited for a
+    core ("-" where not measured); all ranks' process CPU over the cores' capacity in the
+    row's s/iter; the link's mean utilisation each way over the timed window ("-" on one
+    host, where there is no link). "-" everywhere for a result without ``usage`` (saved
+    before it was measured)."""
     u, n = row.get("usage"), row["iterations"]
     head = [row["method"], str(row["hosts"])]
     if not u:
         return head + ["-"] * (len(USAGE_HEADERS) - len(head))
     cpu = [_seconds(_mean(u[f]) / n) for f in
            ("train_cpu_s", "progress_cpu_s", "other_cpu_s", "process_cpu_s")]  # fmt: skip
+    ready = [_seconds(_mean(u[f]) / n if f in u and not math.isnan(_mean(u[f])) else None)
+             for f in ("train_waited_s", "progress_waited_s")]  # fmt: skip
     busy = sum(u["process_cpu_s"]) / n / (u["cpus"] * row["mean_iteration_s"])
     link = ["-", "-"]
     if row["hosts"] > 1:
@@ -160,7 +166,7 @@ def usage_cells(row: dict[str, Any], rate_bps: float) -> list[str]:
             _pct(_mean([b / (rate_bps / 8 * w) for b, w in zip(u[f], u["window_s"], strict=True)]))
             for f in ("tx_bytes", "rx_bytes")
         ]
-    return head + cpu + [_pct(busy)] + link
+    return head + cpu + ready + [_pct(busy)] + link
 
 
 def _usage_table(rows: list[dict[str, Any]], settings: dict[str, Any], model: str) -> list[str]:
@@ -168,7 +174,8 @@ def _usage_table(rows: list[dict[str, Any]], settings: dict[str, Any], model: st
     return [
         f"{model}: where the time goes, over the timed iterations: CPU s/it = mean over ranks "
         "(train = the training thread, progress = asyncreduce's progress thread, other = the "
-        "rest of the process: Gloo's threads for ddp); cores busy = all ranks' process CPU / "
+        "rest of the process: Gloo's threads for ddp); ready = runnable and waiting for a "
+        "core (the kernel's schedstat); cores busy = all ranks' process CPU / "
         f"(cores x s/iter); link = bytes through the host's link / ({settings['rate']} x the "
         "window), mean over ranks",
         harness.render_table(USAGE_HEADERS, cells, left=1),

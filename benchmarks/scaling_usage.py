@@ -8,7 +8,10 @@ progress threads (named ``asyncreduce-engine-<rank>``, read from ``/proc``), eve
 process total (``time.process_time``). All four come from the scheduler's run time in
 nanoseconds (``thread_time``, ``process_time`` and ``/proc/.../schedstat`` read the same
 counter), so the difference "other" is not the noise of 10 ms ticks; ``/proc/.../stat``'s ticks
-are the fallback where schedstat is missing. The link's bytes are the interface counters under
+are the fallback where schedstat is missing. ``schedstat``'s second field, the time a thread
+spent runnable and waiting for a core (``thread_waited_s``), is read for the training and the
+progress threads: with more ranks than cores, it is how long each was ready and not running,
+which no CPU figure shows. The link's bytes are the interface counters under
 ``/sys/class/net`` of every interface but ``lo``: inside an emulated host (``ip netns exec``
 mounts that namespace's ``/sys``) that is the host's one link. This module needs no cluster
 (the tests call it directly); of asyncreduce it takes only the progress thread's name.
@@ -16,6 +19,7 @@ mounts that namespace's ``/sys``) that is the host's one link. This module needs
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -34,6 +38,7 @@ __all__ = [
     "link_bytes",
     "thread_cpu_s",
     "thread_ticks_s",
+    "thread_waited_s",
     "window",
 ]
 
@@ -44,6 +49,8 @@ USAGE_FIELDS = (  # what ``window`` returns, in this order
     "progress_cpu_s",
     "other_cpu_s",
     "process_cpu_s",
+    "train_waited_s",
+    "progress_waited_s",
     "tx_bytes",
     "rx_bytes",
     "window_s",
@@ -61,6 +68,17 @@ def thread_cpu_s(native_id: int) -> float:
         return int((task / "schedstat").read_text().split()[0]) / 1e9
     except (OSError, ValueError, IndexError):
         return thread_ticks_s(native_id)  # (0.0 too once the thread has exited)
+
+
+def thread_waited_s(native_id: int) -> float:
+    """Seconds thread ``native_id`` of this process has spent runnable but not running,
+    waiting for a core (``schedstat``'s second field), so far; NaN where the kernel keeps no
+    schedstat, 0.0 for a thread that has exited."""
+    task = Path(f"/proc/self/task/{native_id}")
+    try:
+        return int((task / "schedstat").read_text().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0 if not task.exists() else math.nan
 
 
 def thread_ticks_s(native_id: int) -> float:
@@ -108,6 +126,8 @@ class Usage:
     train_cpu_s: float
     progress_cpu_s: dict[int, float]  # per progress thread (native id)
     process_cpu_s: float
+    train_waited_s: float  # runnable, waiting for a core (NaN: not known here)
+    progress_waited_s: dict[int, float]
     tx_bytes: int
     rx_bytes: int
     at_s: float  # time.perf_counter()
@@ -115,32 +135,40 @@ class Usage:
     @classmethod
     def now(cls) -> Usage:
         tx, rx = link_bytes()
+        engines = engine_native_ids()
         return cls(
             train_cpu_s=time.thread_time(),
-            progress_cpu_s={tid: thread_cpu_s(tid) for tid in engine_native_ids()},
+            progress_cpu_s={tid: thread_cpu_s(tid) for tid in engines},
             process_cpu_s=time.process_time(),
+            train_waited_s=thread_waited_s(threading.get_native_id()),
+            progress_waited_s={tid: thread_waited_s(tid) for tid in engines},
             tx_bytes=tx,
             rx_bytes=rx,
             at_s=time.perf_counter(),
         )
 
 
+def _grown(before: dict[int, float], after: dict[int, float]) -> float:
+    """How much the threads alive at both snapshots added up."""
+    return sum(after[tid] - before[tid] for tid in before.keys() & after.keys())
+
+
 def window(before: Usage, after: Usage) -> dict[str, float]:
     """The totals between two snapshots: CPU seconds of the training thread, the progress
     threads (those alive at both ends), the other threads (the process's less those two, not
-    below 0: the snapshots read the process last) and the process; link bytes each way and the
+    below 0: the snapshots read the process last) and the process; the seconds the training
+    and the progress threads waited for a core; link bytes each way and the
     window's length in seconds: ``USAGE_FIELDS``."""
     train = after.train_cpu_s - before.train_cpu_s
-    progress = sum(
-        after.progress_cpu_s[tid] - before.progress_cpu_s[tid]
-        for tid in before.progress_cpu_s.keys() & after.progress_cpu_s.keys()
-    )
+    progress = _grown(before.progress_cpu_s, after.progress_cpu_s)
     process = after.process_cpu_s - before.process_cpu_s
     return {
         "train_cpu_s": train,
         "progress_cpu_s": progress,
         "other_cpu_s": max(0.0, process - train - progress),
         "process_cpu_s": process,
+        "train_waited_s": after.train_waited_s - before.train_waited_s,
+        "progress_waited_s": _grown(before.progress_waited_s, after.progress_waited_s),
         "tx_bytes": float(after.tx_bytes - before.tx_bytes),
         "rx_bytes": float(after.rx_bytes - before.rx_bytes),
         "window_s": after.at_s - before.at_s,

@@ -9,15 +9,18 @@ and ``tc`` needed; skipped otherwise) and runs the benchmark's quick path on 1 a
 a short emulated compute, then checks that every method produced a sane scaling.
 
 Where the time goes (``scaling_usage``): the per-thread CPU reader must give a spinning thread
-its CPU and a sleeping one none, the interface counters must grow with the bytes that cross an
-interface (loopback here, no namespace needed), the window's split must add up, ``gather``'s
+its CPU and a sleeping one none, the wait for a core must show two threads sharing one CPU,
+the interface counters must grow with the bytes that cross an interface (loopback here, no
+namespace needed), the window's split must add up, ``gather``'s
 rows must survive the sum, and the report must print the second table from a synthetic run,
 with "-" for results saved before these were measured.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -153,6 +156,36 @@ def test_thread_cpu_reader_sees_a_busy_thread_and_not_a_sleeping_one() -> None:
     assert busy > idle + 0.15
 
 
+def test_waits_for_a_core_show_two_threads_on_one_cpu_and_not_a_sleeping_one() -> None:
+    """Two threads that spin on the same CPU take turns: each waits for it about as long as
+    it runs. A sleeping thread is never runnable, so it waits for nothing. (The spinners hash
+    a megabyte at a time, which hashlib does without the GIL: else they would take turns at
+    the GIL, asleep, instead of at the CPU.)"""
+    cpu, stop, ids, data = min(os.sched_getaffinity(0)), threading.Event(), [], bytes(1 << 20)
+
+    def spin() -> None:
+        os.sched_setaffinity(threading.get_native_id(), {cpu})
+        ids.append(threading.get_native_id())
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    spinners = [threading.Thread(target=spin) for _ in range(2)]
+    sleeper = threading.Thread(target=stop.wait, args=(5,))
+    for thread in [*spinners, sleeper]:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        assert sleeper.native_id is not None and len(ids) == 2
+        waited = [scaling_usage.thread_waited_s(tid) for tid in ids]
+        slept = scaling_usage.thread_waited_s(sleeper.native_id)
+    finally:
+        stop.set()
+        for thread in [*spinners, sleeper]:
+            thread.join(10)
+    assert sum(waited) >= 0.3, waited  # (0.5 s of the CPU for two: about 0.25 s each)
+    assert slept < 0.02
+
+
 def test_thread_cpu_of_a_thread_that_is_gone_is_zero() -> None:
     thread = threading.Thread(target=lambda: None)
     thread.start()
@@ -164,6 +197,7 @@ def test_thread_cpu_of_a_thread_that_is_gone_is_zero() -> None:
     assert not task.exists()
     assert scaling_usage.thread_cpu_s(thread.native_id) == 0.0
     assert scaling_usage.thread_ticks_s(thread.native_id) == 0.0
+    assert scaling_usage.thread_waited_s(thread.native_id) == 0.0
 
 
 def test_engine_threads_are_found_by_name() -> None:
@@ -204,12 +238,15 @@ def test_link_bytes_add_every_interface_but_loopback(tmp_path: Path) -> None:
 
 
 def test_window_splits_the_process_cpu() -> None:
-    before = scaling_usage.Usage(1.0, {11: 2.0, 12: 5.0}, 10.0, 100, 200, 50.0)
-    after = scaling_usage.Usage(1.5, {11: 2.25, 13: 9.0}, 11.0, 1100, 3200, 52.0)
+    before = scaling_usage.Usage(1.0, {11: 2.0, 12: 5.0}, 10.0, 3.0, {11: 0.5, 12: 1.0}, 100,
+                                 200, 50.0)  # fmt: skip
+    after = scaling_usage.Usage(1.5, {11: 2.25, 13: 9.0}, 11.0, 3.125, {11: 0.75, 13: 4.0}, 1100,
+                                3200, 52.0)  # fmt: skip
     got = scaling_usage.window(before, after)
     assert list(got) == list(scaling_usage.USAGE_FIELDS)
     assert got == {  # thread 11 alone was alive at both ends
         "train_cpu_s": 0.5, "progress_cpu_s": 0.25, "other_cpu_s": 0.25, "process_cpu_s": 1.0,
+        "train_waited_s": 0.125, "progress_waited_s": 0.25,
         "tx_bytes": 1000.0, "rx_bytes": 3000.0, "window_s": 2.0,
     }  # fmt: skip
     here = scaling_usage.window(scaling_usage.Usage.now(), scaling_usage.Usage.now())
@@ -229,8 +266,8 @@ def _usage(process: list[float], tx: list[float]) -> dict[str, Any]:
     k = len(process)
     return {
         "train_cpu_s": [0.2] * k, "progress_cpu_s": [0.4] * k, "other_cpu_s": [0.0] * k,
-        "process_cpu_s": process, "tx_bytes": tx, "rx_bytes": [b / 2 for b in tx],
-        "window_s": [2.0] * k, "cpus": 2,
+        "process_cpu_s": process, "train_waited_s": [0.06] * k, "progress_waited_s": [0.02] * k,
+        "tx_bytes": tx, "rx_bytes": [b / 2 for b in tx], "window_s": [2.0] * k, "cpus": 2,
     }  # fmt: skip
 
 
@@ -246,6 +283,7 @@ def test_report_prints_where_the_time_goes() -> None:
         # 2 s for 2 iterations; 125 MB/s x 2 s = 250 MB: 50% and 100% tx, half that rx
         {**common, "method": "forward", "hosts": 2, "usage": _usage([0.8, 1.2], [125e6, 250e6])},
         {**common, "method": "ddp", "hosts": 2},  # saved before usage was measured
+        {**common, "method": "ddp", "hosts": 1, "usage": _unready(_usage([0.8], [0.0]))},
     ]
     run = harness.Run("scaling", settings, results)
     text = scaling_report.report(run, {**harness.machine_info(), "library": {}})
@@ -255,13 +293,25 @@ def test_report_prints_where_the_time_goes() -> None:
     )
     assert lines[head].split("  ")[0] == "method" and lines[head].endswith("link rx")
     assert "where the time goes" in lines[head - 1]
-    rows = [line.split() for line in lines[head + 1 : head + 4]]
-    # forward K=1: 0.1 train, 0.2 progress, 0 other, 0.4 process s/it; 0.4 / (2 x 1.0) = 20%
-    assert rows[0] == ["forward", "1", "0.100", "0.200", "0.000", "0.400", "20.0%", "-", "-"]
+    rows = {tuple(line.split()[:2]): line.split() for line in lines[head + 1 : head + 5]}
+    # forward K=1: 0.1 train, 0.2 progress, 0 other, 0.4 process s/it; 0.03 and 0.01 s/it
+    # ready; 0.4 / (2 x 1.0) = 20%
+    assert rows["forward", "1"] == ["forward", "1", "0.100", "0.200", "0.000", "0.400", "0.030",
+                                    "0.010", "20.0%", "-", "-"]  # fmt: skip
     # K=2: process 0.4 and 0.6 s/it, 1.0 / 2 = 50% of the cores; tx 75%, rx 37.5%
-    assert rows[1] == ["forward", "2", "0.100", "0.200", "0.000", "0.500", "50.0%", "75.0%",
-                       "37.5%"]  # fmt: skip
-    assert rows[2] == ["ddp", "2"] + ["-"] * 7
+    assert rows["forward", "2"] == ["forward", "2", "0.100", "0.200", "0.000", "0.500", "0.030",
+                                    "0.010", "50.0%", "75.0%", "37.5%"]  # fmt: skip
+    assert rows["ddp", "2"] == ["ddp", "2"] + ["-"] * 9
+    # saved before the waits for a core were measured, or where the kernel keeps no schedstat
+    assert rows["ddp", "1"] == ["ddp", "1", "0.100", "0.200", "0.000", "0.400", "-", "-",
+                                "20.0%", "-", "-"]  # fmt: skip
+
+
+def _unready(usage: dict[str, Any]) -> dict[str, Any]:
+    """``usage`` as a run saved before the waits for a core were measured, with one as the
+    kernel without schedstat gives it (NaN)."""
+    del usage["train_waited_s"]
+    return {**usage, "progress_waited_s": [float("nan")]}
 
 
 def test_trace_summary_reads_waits_per_bucket_and_the_comm_share(

@@ -40,6 +40,7 @@ from asyncreduce.algorithms import (
     SMALL_ALLREDUCE_BYTES,
     Barrier,
     Collective,
+    DirectAllreduce,
     DType,
     PeerMemory,
     ProtocolError,
@@ -1236,12 +1237,14 @@ def test_direct_runs_read_only_the_awaited_streams_and_complete(n: int) -> None:
     f32 = DTYPES["float32"]
     doubling = [RecursiveDoubling(r, n, np.full(5, r + 1.0, np.float32), f32, "sum")
                 for r in range(n)]  # fmt: skip
-    for algos in ([Barrier(r, n) for r in range(n)], doubling):
+    stand_ins = [DirectAllreduce(r, n, np.full(5, r + 1.0, np.float32), f32, "sum")
+                 for r in range(n)]  # fmt: skip
+    for algos in ([Barrier(r, n) for r in range(n)], doubling, stand_ins):
         got, sent = _run_directly(algos)
         for r, algo in enumerate(algos):
             assert algo.done and algo.sources == got[r], (type(algo).__name__, r)
             assert algo.partners == got[r] | sent[r], (type(algo).__name__, r)
-    for algo in doubling:
+    for algo in doubling + stand_ins:
         assert np.all(algo.buffer == n * (n + 1) / 2)
 
 
@@ -1295,6 +1298,11 @@ def test_swaps_then_messages_agree_bitwise_with_messages_alone(n: int, op: str) 
             assert swapped[r].buffer.tobytes() == alone[r].buffer.tobytes(), (done, r)
         barriers = _swaps_then_directly([Barrier(r, n) for r in range(n)], done)
         assert all(b.done for b in barriers)
+        stand_ins = [DirectAllreduce(r, n, inputs[r].copy(), f32, op) for r in range(n)]
+        _swaps_then_directly(stand_ins, done)  # type: ignore[arg-type]
+        for r, stand_in in enumerate(stand_ins):  # the algorithm made only where swaps stop
+            assert stand_in.done and (stand_in._algorithm is None) == (done == rounds)
+            assert stand_in.buffer.tobytes() == alone[r].buffer.tobytes(), (done, r)
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7])

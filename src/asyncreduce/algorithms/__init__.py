@@ -19,7 +19,7 @@ from .base import (
     segments,
     split,
 )
-from .doubling import RecursiveDoubling
+from .doubling import DirectAllreduce, RecursiveDoubling
 from .exchange import Exchange
 from .reduction import (
     DTYPE_BY_CODE,
@@ -46,6 +46,7 @@ __all__ = [
     "Combining",
     "DType",
     "DTYPES",
+    "DirectAllreduce",
     "DTYPE_BY_CODE",
     "Exchange",
     "KINDS",

@@ -112,6 +112,11 @@ class Collective(ABC):
     # an algorithm says otherwise)
 
     @property
+    def algorithm(self) -> Collective:
+        """(``RunsDirectly``) Itself."""
+        return self
+
+    @property
     def combining(self) -> Combining | None:
         raise ProtocolError(f"{type(self).__name__} has no swaps")
 
@@ -164,7 +169,13 @@ class RunsDirectly(Protocol):
 
     def swapped(self, done: int) -> list[Send]:
         """The first ``done`` of ``swaps`` ran, and the next one's message left (if any):
-        what to send now; ``awaited`` and ``on_view`` go on from there."""
+        what to send now; ``awaited`` and ``on_view`` go on from there (``algorithm``'s)."""
+
+    @property
+    def algorithm(self) -> Collective:
+        """The algorithm an operation that the caller does not run to the end hands the
+        engine: itself, or, for a stand-in that holds only what a direct run's swaps need
+        (``DirectAllreduce``), the real one, made then."""
 
 
 class Combining(NamedTuple):

@@ -28,7 +28,7 @@ import numpy as np
 from .base import Array, Collective, Combining, ProtocolError, Send, Swap
 from .reduction import REDUCTION_CODES, DType, combine, finalize, quiet_numpy
 
-__all__ = ["RecursiveDoubling"]
+__all__ = ["DirectAllreduce", "RecursiveDoubling"]
 
 
 class RecursiveDoubling(Collective):
@@ -149,6 +149,63 @@ class RecursiveDoubling(Collective):
             if self.rank < 2 * self._extra:
                 sends.append(Send(self.rank - 1, self._last_step, 0, self.buffer.copy()))
         return sends
+
+
+class DirectAllreduce:
+    """A small allreduce as a direct run (``Engine.run``, a ``RunsDirectly``) sees it: the
+    swaps of recursive doubling (with a power of two ranks; worked out once per rank and
+    world size) over the buffer, no more. It costs a fraction of ``RecursiveDoubling``'s
+    set-up, which most direct runs never need: the algorithm itself is made (``algorithm``)
+    only where a run cannot end with its swaps, or has none."""
+
+    __slots__ = ("rank", "world_size", "buffer", "dtype", "reduce_op", "swaps", "sources",
+                 "partners", "message_bytes", "combining", "_algorithm", "_swapped")  # fmt: skip
+
+    def __init__(
+        self, rank: int, world_size: int, buffer: Array, dtype: DType, reduce_op: str
+    ) -> None:
+        self.rank, self.world_size, self.buffer = rank, world_size, buffer
+        self.dtype, self.reduce_op = dtype, reduce_op
+        plan = _schedule(rank, world_size)
+        self.swaps, self.sources = plan.swaps, plan.partners  # (RecursiveDoubling's own)
+        self.partners, self.message_bytes = plan.partners, buffer.nbytes
+        into = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        self.combining = Combining(into, dtype.code, REDUCTION_CODES[reduce_op])
+        self._algorithm: RecursiveDoubling | None = None
+        self._swapped = False  # every swap ran, with no algorithm made: done
+
+    @property
+    def done(self) -> bool:
+        return self._swapped or (self._algorithm is not None and self._algorithm.done)
+
+    @property
+    def algorithm(self) -> RecursiveDoubling:
+        """The allreduce itself, made the first time it is asked for (the same one after)."""
+        if self._algorithm is None:
+            self._algorithm = RecursiveDoubling(
+                self.rank, self.world_size, self.buffer, self.dtype, self.reduce_op
+            )
+        return self._algorithm
+
+    def start(self) -> list[Send]:
+        return self.algorithm.start()
+
+    @property
+    def awaited(self) -> tuple[int, int] | None:
+        return None if self._swapped else self.algorithm.awaited
+
+    def on_view(self, src: int, step: int, seg: int, view: memoryview) -> list[Send]:
+        return self.algorithm.on_view(src, step, seg, view)
+
+    def swapped(self, done: int) -> list[Send]:
+        """(``RunsDirectly``) As ``RecursiveDoubling.swapped``; after every swap, only avg's
+        division is left (on a caller's thread: numpy's errors quiet, as ours)."""
+        if self._algorithm is not None or self.swaps is None or done != len(self.swaps):
+            return self.algorithm.swapped(done)
+        self._swapped = True
+        if self.reduce_op == "avg":
+            quiet_numpy(finalize, self.dtype, "avg", self.buffer, self.world_size)
+        return []
 
 
 class _Schedule(NamedTuple):

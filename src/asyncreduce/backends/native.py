@@ -27,8 +27,10 @@ from ..algorithms import (
     Array,
     Barrier,
     Collective,
+    DirectAllreduce,
     DType,
     RecursiveDoubling,
+    RunsDirectly,
     Translated,
     build,
 )
@@ -264,7 +266,7 @@ class DirectCalls:
         backend = self._backend
         dtype, desc = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
-        algo = RecursiveDoubling(backend.rank, backend.world_size, flat, dtype, op)
+        algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
         return self._run(algo, desc, key, label, priority, lambda: x, runner)
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
@@ -275,7 +277,7 @@ class DirectCalls:
         return self._run(algo, desc, key, label, 0, _nothing, runner)
 
     def _run(
-        self, algo: RecursiveDoubling | Barrier, desc: Descriptor, key: Key, label: str,
+        self, algo: DirectAllreduce | Barrier, desc: Descriptor, key: Key, label: str,
         priority: int, result: Callable[[], Any], runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
         log_post(self._backend.rank, label, desc)
@@ -288,16 +290,18 @@ def _nothing() -> None:
 
 
 def _adopter(
-    key: Key, label: str, desc: Descriptor, algo: Collective, result: Callable[[], Any],
+    key: Key, label: str, desc: Descriptor, algo: Collective | RunsDirectly,
+    result: Callable[[], Any],
     priority: int, timeout: float | None, runner: CallbackRunner,
 ) -> Callable[[], Operation]:  # fmt: skip
     """How a blocking call makes its ``Operation`` (with a request whose callbacks ``runner``
     runs) where it cannot run on its caller's thread to the end (``Engine.run``'s ``adopt``):
-    only then, since most never need one."""
+    only then, since most never need one. The engine goes on with ``algo.algorithm``, from
+    wherever the run left it."""
 
     def adopt() -> Operation:
         request: Request[Any] = Request(label, runner)
-        return Operation(key, label, desc, algo, request, result, priority, timeout)
+        return Operation(key, label, desc, algo.algorithm, request, result, priority, timeout)
 
     return adopt
 

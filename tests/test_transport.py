@@ -22,6 +22,7 @@ from asyncreduce.algorithms import (
     REDUCTION_CODES,
     REDUCTIONS,
     Combining,
+    Swap,
     combine,
 )
 from asyncreduce.transport.base import COMBINED, ELSEWHERE
@@ -35,6 +36,7 @@ from asyncreduce.transport.frame import (
     Header,
     pack_header,
     parse_header,
+    with_step,
 )
 from asyncreduce.transport.shm import create_arena, open_arena
 from asyncreduce.transport.tcp import TcpTransport, native_take
@@ -44,8 +46,9 @@ try:
     from asyncreduce._stream_core import FRAME as FRAME_HERE
     from asyncreduce._stream_core import combines as native_combines
     from asyncreduce._stream_core import swap as native_swap
+    from asyncreduce._stream_core import swaps as native_swaps
 except ImportError:  # not built: the C tests skip
-    native_swap = None  # type: ignore[assignment]
+    native_swap = native_swaps = None  # type: ignore[assignment]
 
 DESC = Descriptor(1, 2, 1, 0, 10)
 
@@ -585,6 +588,16 @@ def test_only_what_c_combines_is_given_to_it() -> None:
     with pytest.raises(ValueError, match="cannot combine"):
         native_swap(0, b"h" * 60, b"x" * 8, memoryview(bytearray(68)), 0.0,
                     memoryview(bytearray(8)), DTYPES["float16"].code, REDUCTION_CODES["sum"])
+    room = memoryview(bytearray(68))
+    with pytest.raises(ValueError, match="cannot combine"):
+        native_swaps((0,), (room,), (1,), (False,), b"h" * 60, 8, b"x" * 8, 0.0,
+                     memoryview(bytearray(8)), DTYPES["float16"].code, REDUCTION_CODES["sum"])
+    with pytest.raises(ValueError, match="as many"):  # (and nothing sent: fd 0 is no socket)
+        native_swaps((0, 0), (room,), (1, 2), (False, True), b"h" * 60, 8, b"x" * 8, 0.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        native_swaps((0,), (room,), (1,), (False,), b"h" * 60, 8, b"x" * 9, 0.0)
+    with pytest.raises(ValueError, match="its step at 58"):
+        native_swaps((0,), (room,), (1,), (False,), b"h" * 60, 58, b"x" * 8, 0.0)
 
 
 @pytest.mark.parametrize("native", TAKES)
@@ -618,6 +631,55 @@ def test_swap_sends_its_frame_then_takes_the_partners(native: bool) -> None:
     assert ta.swap(1, head, how.into, 0, 0.05, how, False) is ELSEWHERE
     pump(ta, tb, until=lambda: len(sa.frames) == 1 and len(sb.frames) == 1)
     assert sa.frames[0][1].step == 2 and sb.frames[0][1].step == 1  # (and the swap's frame)
+    ta.close()
+    tb.close()
+
+
+@pytest.mark.parametrize("native", TAKES)
+@pytest.mark.parametrize("ahead", ["both", "first", "another"])
+def test_swaps_run_step_after_step_and_stop_where_one_does_not_end_well(
+    native: bool, ahead: str
+) -> None:
+    """``Transport.swaps``: each step sends the buffer as the step before left it, with its
+    own step in the header, and combines the partner's frame of that step, all in one call
+    into C; the partner's second frame not there yet: (1, None); its frame of another
+    operation there instead: (1, ELSEWHERE), and poll reads that. The Python look stops at
+    the first step with the frame, for numpy to combine (the engine goes on message by
+    message). The partner here sends its frames ahead, so one process runs both sides."""
+    ta, sa, tb, sb = tcp_pair(native)
+    f32, add = DTYPES["float32"].code, REDUCTION_CODES["sum"]
+    steps = (Swap(1, 1, True), Swap(1, 2, False))  # (the peer's operand first, then ours)
+    mine = np.arange(64, dtype=np.float32)
+    theirs = [np.full(64, 0.25, np.float32), np.full(64, 3.0, np.float32)]
+    head, _ = frame(WHOLE, mine.tobytes(), step=1)
+    tb.send_now(0, head, memoryview(theirs[0]), 0)
+    if ahead == "both":
+        tb.send_now(0, with_step(head, 2), memoryview(theirs[1]), 0)
+    elif ahead == "another":
+        tb.send_now(0, frame(b"another", mine.tobytes(), step=2)[0], memoryview(mine), 0)
+    how = Combining(memoryview(mine).cast("B"), f32, add)
+    done, view = ta.swaps(steps, head, how.into, 0, 0.05, how)
+    if not native:  # (the frame handed back at the first step, as swap hands it back)
+        assert done == 0 and view is not None and view is not ELSEWHERE
+        assert view.tobytes() == theirs[0].tobytes()
+        pump(ta, tb, until=lambda: len(sb.frames) == 1)
+        assert sb.frames[0][1].step == 1
+        assert sb.frames[0][2] == np.arange(64, dtype=np.float32).tobytes()
+        ta.close()
+        tb.close()
+        return
+    want = {"both": (2, COMBINED), "first": (1, None), "another": (1, ELSEWHERE)}[ahead]
+    assert (done, view) == want
+    expected = np.arange(64, dtype=np.float32) + theirs[0] + (theirs[1] if done == 2 else 0)
+    assert mine.tobytes() == expected.tobytes()
+    pump(ta, tb, until=lambda: len(sb.frames) == 2)  # the buffer as each step found it:
+    (_, h1, p1), (_, h2, p2) = sb.frames
+    assert (h1.step, h2.step) == (1, 2) and h1.name == h2.name == WHOLE
+    assert p1 == np.arange(64, dtype=np.float32).tobytes()
+    assert p2 == (np.arange(64, dtype=np.float32) + theirs[0]).tobytes()
+    if ahead == "another":
+        pump(ta, tb, until=lambda: len(sa.frames) == 1)
+        assert sa.frames[0][1].name == b"another"
     ta.close()
     tb.close()
 

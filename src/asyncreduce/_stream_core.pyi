@@ -19,3 +19,8 @@ def swap(
     fd: int, head: bytes, payload: memoryview, room: memoryview, seconds: float,
     into: memoryview | None = None, dtype: int = 0, op: int = 0, incoming_first: bool = False,
 ) -> tuple[int, int, int]: ...
+def swaps(
+    fds: tuple[int, ...], rooms: tuple[memoryview, ...], steps: tuple[int, ...],
+    firsts: tuple[bool, ...], head: bytes, step_at: int, payload: memoryview, seconds: float,
+    into: memoryview | None = None, dtype: int = 0, op: int = 0,
+) -> tuple[int, int, int, int]: ...

@@ -14,9 +14,10 @@ anything else (another frame, a beat, a goodbye) the caller hands them to the re
 received, and the loop judges them as if it had read them itself.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport uintptr_t
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 
@@ -129,6 +130,45 @@ cdef inline bint _aligned(const void *a, const void *b, int dtype) noexcept nogi
     return size != 0 and ((<uintptr_t>a) | (<uintptr_t>b)) % size == 0
 
 
+cdef int _swap_one(int fd, const unsigned char *head, Py_ssize_t hl,
+                   const unsigned char *payload, Py_ssize_t size, unsigned char *room,
+                   double seconds, unsigned char *target, int dtype, int op,
+                   int incoming_first, ssize_t *sent, Py_ssize_t *n) noexcept nogil:
+    """One ``swap`` (see it), without the GIL: what it found; ``sent[0]`` and ``n[0]``: the
+    bytes sent (an errno, negated, on an error) and taken."""
+    cdef iovec parts[2]
+    cdef msghdr msg
+    cdef int found = _UNSENT
+    memset(&msg, 0, sizeof(msg))
+    parts[0].iov_base = <void *>head
+    parts[0].iov_len = <size_t>hl
+    parts[1].iov_base = <void *>payload
+    parts[1].iov_len = <size_t>size
+    msg.msg_iov = parts
+    msg.msg_iovlen = 2
+    n[0] = 0
+    sent[0] = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+    if sent[0] < 0:
+        sent[0] = 0 if errno == EAGAIN or errno == EINTR else -errno
+    elif sent[0] == hl + size:
+        found = _take(fd, head, hl, room, hl + size, seconds, n)
+        if found == _FRAME and target != NULL and _aligned(target, room + hl, dtype):
+            ar_combine(dtype, op, target, room + hl, size, incoming_first)
+            found = _COMBINED
+    return found
+
+
+cdef unsigned char *_target(unsigned char[::1] into, Py_ssize_t size, int dtype,
+                            int op) except? NULL:
+    """Where ``swap`` combines (NULL: nowhere, ``into`` is None or empty), checked."""
+    if into is None:
+        return NULL
+    if into.shape[0] != size or not combines(dtype, op):
+        raise ValueError(f"cannot combine a {size}-byte payload into {into.shape[0]} "
+                         f"bytes of dtype {dtype} by reduction {op}")
+    return &into[0] if size else NULL
+
+
 def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload,
          unsigned char[::1] room, double seconds, unsigned char[::1] into=None, int dtype=0,
          int op=0, bint incoming_first=False):
@@ -142,32 +182,94 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
     a FRAME is COMBINED: the step's reduction too, all in one call into C, without the GIL
     (where both lie at a multiple of the element size; else the FRAME is the caller's to
     combine)."""
-    cdef Py_ssize_t hl = head.shape[0], size = payload.shape[0], whole = hl + size, n = 0
-    cdef ssize_t sent
-    cdef int found = _UNSENT
-    cdef iovec parts[2]
-    cdef msghdr msg
-    cdef unsigned char *target = NULL
-    _check_room(hl, room.shape[0], whole, 0)
-    if into is not None:
-        if into.shape[0] != size or not combines(dtype, op):
-            raise ValueError(f"cannot combine a {size}-byte payload into {into.shape[0]} "
-                             f"bytes of dtype {dtype} by reduction {op}")
-        target = &into[0] if size else NULL
-    memset(&msg, 0, sizeof(msg))
-    parts[0].iov_base = <void *>&head[0]
-    parts[0].iov_len = <size_t>hl
-    parts[1].iov_base = <void *>&payload[0] if size else NULL
-    parts[1].iov_len = <size_t>size
-    msg.msg_iov = parts
-    msg.msg_iovlen = 2
+    cdef Py_ssize_t hl = head.shape[0], size = payload.shape[0], n = 0
+    cdef ssize_t sent = 0
+    cdef int found
+    cdef unsigned char *target = _target(into, size, dtype, op)
+    _check_room(hl, room.shape[0], hl + size, 0)
     with nogil:
-        sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
-        if sent < 0:
-            sent = 0 if errno == EAGAIN or errno == EINTR else -errno
-        elif sent == whole:
-            found = _take(fd, &head[0], hl, &room[0], whole, seconds, &n)
-            if found == _FRAME and into is not None and _aligned(target, &room[0] + hl, dtype):
-                ar_combine(dtype, op, target, &room[0] + hl, size, incoming_first)
-                found = _COMBINED
+        found = _swap_one(fd, &head[0], hl, &payload[0] if size else NULL, size, &room[0],
+                          seconds, target, dtype, op, incoming_first, &sent, &n)
     return found, sent, n
+
+
+cdef enum:
+    _MAX_SWAPS = 32  # steps of one ``swaps`` call (a world of 2**32 ranks)
+    _MAX_HEAD = 48 + 1024  # a header and the longest name (frame.py)
+
+
+def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t step_at,
+          payload, double seconds, into=None, int dtype=0, int op=0):
+    """``swap`` for every step of a direct run in a row, one call into C for all of them:
+    step ``i`` over connection ``fds[i]`` with its staging room ``rooms[i]``, its header
+    ``head`` but for the step, ``steps[i]`` (written as 4 little-endian bytes at
+    ``step_at``), the partner's operand first where ``firsts[i]``. Each goes on only if the
+    one before ended well: COMBINED where ``into`` is given, else (empty messages) FRAME.
+    (how many ended well, then what the next one found, sent and took, as ``swap`` says;
+    (COMBINED or FRAME, 0, 0) after them all). The buffers are taken by the buffer
+    protocol, not as typed memoryviews: this is called for every small allreduce."""
+    cdef Py_ssize_t count = len(fds), i, taken = 0, n = 0
+    cdef ssize_t sent = 0
+    cdef int found = _FRAME, done = 0, well = _FRAME, failed = 0
+    cdef int cfds[_MAX_SWAPS]
+    cdef unsigned int csteps[_MAX_SWAPS]
+    cdef int cfirsts[_MAX_SWAPS]
+    cdef Py_buffer croom[_MAX_SWAPS]
+    cdef Py_buffer chead, cpayload, cinto
+    cdef unsigned char hbuf[_MAX_HEAD]
+    cdef unsigned char *target = NULL
+    if not (count == len(rooms) == len(steps) == len(firsts)) or count > _MAX_SWAPS:
+        raise ValueError(f"{count} swaps: as many connections, rooms, steps and orders "
+                         f"(at most {_MAX_SWAPS}) are needed")
+    PyObject_GetBuffer(head, &chead, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(payload, &cpayload, PyBUF_SIMPLE)
+        try:
+            if into is not None:
+                PyObject_GetBuffer(into, &cinto, PyBUF_WRITABLE)
+            try:
+                if into is not None:
+                    target = _target_of(&cinto, cpayload.len, dtype, op)
+                    well = _COMBINED if cpayload.len else _FRAME
+                if chead.len > _MAX_HEAD or not 0 <= step_at <= chead.len - 4:
+                    raise ValueError(f"a {chead.len}-byte header with its step at {step_at}")
+                memcpy(hbuf, chead.buf, <size_t>chead.len)
+                while taken < count:
+                    PyObject_GetBuffer(rooms[taken], &croom[taken], PyBUF_WRITABLE)
+                    taken += 1
+                    _check_room(chead.len, croom[taken - 1].len, chead.len + cpayload.len, 0)
+                for i in range(count):
+                    cfds[i], csteps[i], cfirsts[i] = fds[i], steps[i], bool(firsts[i])
+                with nogil:
+                    for i in range(count):
+                        hbuf[step_at] = csteps[i] & 0xFF
+                        hbuf[step_at + 1] = (csteps[i] >> 8) & 0xFF
+                        hbuf[step_at + 2] = (csteps[i] >> 16) & 0xFF
+                        hbuf[step_at + 3] = (csteps[i] >> 24) & 0xFF
+                        found = _swap_one(cfds[i], hbuf, chead.len,
+                                          <const unsigned char *>cpayload.buf, cpayload.len,
+                                          <unsigned char *>croom[i].buf, seconds, target,
+                                          dtype, op, cfirsts[i], &sent, &n)
+                        if found != well:
+                            break
+                        done += 1
+                        sent = n = 0
+            finally:
+                for i in range(taken):
+                    PyBuffer_Release(&croom[i])
+                if into is not None:
+                    PyBuffer_Release(&cinto)
+        finally:
+            PyBuffer_Release(&cpayload)
+    finally:
+        PyBuffer_Release(&chead)
+    return done, found, sent, n
+
+
+cdef unsigned char *_target_of(Py_buffer *into, Py_ssize_t size, int dtype,
+                               int op) except? NULL:
+    """``_target`` of a buffer taken by the buffer protocol."""
+    if into.len != size or not combines(dtype, op):
+        raise ValueError(f"cannot combine a {size}-byte payload into {into.len} "
+                         f"bytes of dtype {dtype} by reduction {op}")
+    return <unsigned char *>into.buf if size else NULL

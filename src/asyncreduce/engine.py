@@ -27,8 +27,8 @@ engine is quiet (nothing in flight or kept, no beat due, every connection read w
 ``RunsDirectly``) over the partners' connections itself, taking only the frames whose headers
 are exactly the expected ones; anything else hands it to the session where it stands, and the
 loop goes on from there as for any operation. Over a power of two ranks every step is a swap
-with one partner, which the transport makes in one call (in C: send, look, combine), the
-algorithm told only at the end how many ran (``RunsDirectly.swaps``).
+with one partner, and the transport makes them all in one call (in C: send, look, combine,
+step after step), the algorithm told only at the end how many ran (``RunsDirectly.swaps``).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from .protocol.operation import Operation, Settings, bytes_of
 from .protocol.session import Session
 from .protocol.wire import Key, data_head, describe, payload_bytes
 from .request import Request
-from .transport.base import COMBINED, ELSEWHERE, FrameSink, Transport
-from .transport.frame import MAX_ERROR_BYTES, Descriptor, Header
+from .transport.base import ELSEWHERE, FrameSink, Transport
+from .transport.frame import MAX_ERROR_BYTES, Descriptor, Header, with_step
 
 __all__ = ["THREAD_PREFIX", "Engine"]
 
@@ -433,23 +433,23 @@ class Engine(FrameSink):
         """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
         done (True), or until something else must happen first (False): another thread's
         post, wait or close, a frame that did not leave whole (the loop writes the rest), a
-        stream that holds something else, ``end``. Its ``swaps`` first, each a call into the
-        transport (in C: send, look, combine), without a step of the algorithm between them."""
+        stream that holds something else, ``end``. Its ``swaps`` first, all in one call into
+        the transport (in C: send, look, combine, step after step), without a step of the
+        algorithm between them."""
         swaps = algo.swaps
         if swaps is None:
             return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, algo.start())
-        transport, combining, done = self.transport, algo.combining, 0
+        combining = algo.combining
         into = _NOTHING if combining is None else combining.into  # (None: empty messages)
-        for peer, step, incoming_first in swaps:
-            head = data_head(key, step, 0, into.nbytes, desc)
-            view = transport.swap(peer, head, into, priority, _TAKE_LOOK, combining,
-                                  incoming_first)  # fmt: skip
-            if view is not COMBINED and (combining or view is None or view is ELSEWHERE):
-                sends = algo.swapped(done)  # (this step's message left)
-                return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,
-                                   view, head)  # fmt: skip
-            heard.append(peer)
-            done += 1
+        head = data_head(key, swaps[0].step, 0, into.nbytes, desc)
+        done, view = self.transport.swaps(swaps, head, into, priority, _TAKE_LOOK, combining)
+        if done < len(swaps):
+            heard += [peer for peer, _, _ in swaps[:done]]
+            sends = algo.swapped(done)  # (the next step's message left)
+            head = with_step(head, swaps[done].step)
+            return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,
+                               view, head)  # fmt: skip
+        heard += algo.partners  # (each the partner of a swap)
         algo.swapped(done)
         return True
 

@@ -18,10 +18,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Final, Protocol
 
-from .frame import Header
+from .frame import Header, with_step
 
 if TYPE_CHECKING:
-    from ..algorithms.base import Combining
+    from ..algorithms.base import Combining, Swap
 
 __all__ = ["COMBINED", "ELSEWHERE", "FrameSink", "Transport"]
 
@@ -136,6 +136,23 @@ class Transport(ABC):
         if not self.send_now(peer, head, memoryview(bytes(payload)), priority):
             return ELSEWHERE  # (a copy: the caller's buffer changes once this returns)
         return self.take_frame(peer, head, payload.nbytes, seconds)
+
+    def swaps(
+        self, steps: tuple[Swap, ...], head: bytes, payload: memoryview, priority: int,
+        seconds: float = 0.0, combining: Combining | None = None,
+    ) -> tuple[int, memoryview | None]:  # fmt: skip
+        """``swap`` for each of ``steps`` in a row, with its peer, its step in ``head`` (the
+        first step's header; ``with_step``) and its order of operands, each only once the one
+        before ended well (``COMBINED``; an empty message's frame taken where nothing
+        combines): how many did, and what the next one returned (``COMBINED`` after them
+        all). A transport that can makes them all in one call into C."""
+        for done, (peer, step, incoming_first) in enumerate(steps):
+            step_head = with_step(head, step) if done else head
+            view = self.swap(peer, step_head, payload, priority, seconds, combining,
+                             incoming_first)  # fmt: skip
+            if view is not COMBINED and (combining or view is None or view is ELSEWHERE):
+                return done, view
+        return len(steps), COMBINED
 
     def take_frame(
         self, peer: int, head: bytes, size: int, seconds: float = 0.0

@@ -51,6 +51,7 @@ class Connection:
     def __init__(self, rank: int, sock: socket.socket, arenas: tuple[Arena, Arena] | None) -> None:
         self.rank = rank
         self.sock = sock
+        self.fd = sock.fileno()  # (for C: the same while the connection is open)
         self.arena_out: Arena | None = arenas[0] if arenas else None  # we write, it reads
         self.arena_in: Arena | None = arenas[1] if arenas else None  # it writes, we read
         self.queue: list[Outgoing] = []  # a heap: most urgent first

@@ -38,6 +38,8 @@ __all__ = [
     "FLOW",
     "FLAG_SHM",
     "with_flags",
+    "with_step",
+    "STEP_AT",
     "Descriptor",
     "FrameError",
     "Header",
@@ -62,6 +64,7 @@ FLOW: Final = 8  # back-pressure: "send me only what I posted" (instance 1), "al
 _UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT, FLOW)
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
+STEP_AT: Final = 8  # byte offset of the step (4 bytes, little-endian) in a packed header
 HEADER: Final = struct.Struct("<4sBBHIIQQBBBBIQ")
 MAX_NAME_BYTES: Final = 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 30
@@ -148,6 +151,11 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
 def with_flags(head: bytes, flags: int) -> bytes:
     """A packed header (and name) with its flags byte replaced."""
     return head[:_FLAGS_AT] + bytes((flags,)) + head[_FLAGS_AT + 1 :]
+
+
+def with_step(head: bytes, step: int) -> bytes:
+    """A packed header (and name) with its step replaced."""
+    return head[:STEP_AT] + step.to_bytes(4, "little") + head[STEP_AT + 4 :]
 
 
 class FrameReader:

@@ -38,29 +38,33 @@ from .frame import (
     DATA,
     FLAG_SHM,
     GOODBYE,
+    STEP_AT,
     Descriptor,
     FrameError,
     Header,
     pack_header,
     with_flags,
+    with_step,
 )
 from .listener import WakeUp
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 if TYPE_CHECKING:
-    from ..algorithms.base import Combining
+    from ..algorithms.base import Combining, Swap
 
 try:
     from .._stream_core import COMBINED as COMBINED_HERE
     from .._stream_core import FRAME, NOTHING, PART, UNSENT
     from .._stream_core import combines as native_combines
     from .._stream_core import swap as native_swap
+    from .._stream_core import swaps as native_swaps
     from .._stream_core import take as native_take
 except ImportError:  # not built (no C compiler at set-up): the Python look alone
-    native_take = native_swap = None  # type: ignore[assignment]
+    native_take = native_swap = native_swaps = None  # type: ignore[assignment]
 
 __all__ = ["TcpTransport", "native_take_wanted"]
 
+_SwapPlan = tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]
 _READS_PER_EVENT = 64
 _BATCH_FRAMES = 64  # at most this many frames per sendmsg (IOV_MAX is 1024)
 _BATCH_BYTES = 1 << 20  # small frames are batched up to this size
@@ -98,6 +102,8 @@ class TcpTransport(Transport):
         self._native_take = native_take_wanted()
         self._unparsed: list[Connection] = []  # connections with bytes take_frame staged
         self._begun: tuple[Connection, int] | None = None  # the frame take_frame has begun
+        self._swap_plans: dict[tuple[Swap, ...], _SwapPlan] = {}  # swaps:
+        # their peers, steps and orders of operands, as _stream_core.swaps takes them
         for peer_rank, sock in sockets.items():
             sock.setblocking(False)
             peer = Connection(peer_rank, sock, (arenas or {}).get(peer_rank))
@@ -313,22 +319,39 @@ class TcpTransport(Transport):
         """(See Transport.) In C where it was built (``_stream_core.swap``): the send, the
         look and the combine in one call, without the GIL; else, or where the connection is
         not idle or a begun frame waits, as ``Transport.swap`` does it (no combine)."""
+        found_room = self._room_in_c(peer, len(head) + payload.nbytes, payload.nbytes)
+        if found_room is None:
+            return super().swap(peer, head, payload, priority, seconds)
+        target, room = found_room
+        if combining is not None and native_combines(combining.dtype, combining.op):
+            found, sent, n = native_swap(target.fd, head, payload, room, seconds, *combining,
+                                         incoming_first)  # fmt: skip
+        else:
+            found, sent, n = native_swap(target.fd, head, payload, room, seconds)
+        return self._swapped(target, head, payload, priority, room, found, sent, n)
+
+    def _room_in_c(
+        self, peer: int, whole: int, size: int
+    ) -> tuple[Connection, memoryview] | None:
+        """The connection to ``peer`` and the room a swap in C takes its frame of ``whole``
+        bytes (``size`` of payload) into, where it may: built, the connection idle, no begun
+        frame waiting, the frame not one for the arena and not larger than the staging
+        buffer."""
         target = self._peers.get(peer)
         if target is None or native_swap is None or not self._native_take or (
             target.queue or target.inflight or target.writing or self._begun is not None
-            or (target.arena_out is not None and payload.nbytes >= SHM_MIN_BYTES)
+            or (target.arena_out is not None and size >= SHM_MIN_BYTES)
         ):  # fmt: skip
-            return super().swap(peer, head, payload, priority, seconds)
+            return None
         room = target.reader.room()  # (between frames: all of the staging buffer)
-        whole = len(head) + payload.nbytes
-        if whole > len(room):
-            return super().swap(peer, head, payload, priority, seconds)
-        fd = target.sock.fileno()
-        if combining is not None and native_combines(combining.dtype, combining.op):
-            found, sent, n = native_swap(fd, head, payload, room, seconds, *combining,
-                                         incoming_first)  # fmt: skip
-        else:
-            found, sent, n = native_swap(fd, head, payload, room, seconds)
+        return (target, room) if whole <= len(room) else None
+
+    def _swapped(
+        self, target: Connection, head: bytes, payload: memoryview, priority: int,
+        room: memoryview, found: int, sent: int, n: int,
+    ) -> memoryview | None:  # fmt: skip
+        """What a swap in C found, for ``swap``: its frame's rest queued where it did not
+        leave whole, else as ``take_frame``."""
         if found == UNSENT:
             error = OSError(-sent, os.strerror(-sent)) if sent < 0 else sent
             rest = memoryview(bytes(payload))  # (what is queued: the buffer changes next)
@@ -336,7 +359,38 @@ class TcpTransport(Transport):
             return ELSEWHERE
         if found == COMBINED_HERE:  # (a frame of no token left: nothing to report)
             return COMBINED
-        return self._took(target, head, whole, room, found, n)
+        return self._took(target, head, len(head) + payload.nbytes, room, found, n)
+
+    def swaps(
+        self, steps: tuple[Swap, ...], head: bytes, payload: memoryview, priority: int,
+        seconds: float = 0.0, combining: Combining | None = None,
+    ) -> tuple[int, memoryview | None]:  # fmt: skip
+        """(See Transport.) All in one call into C (``_stream_core.swaps``) where every
+        step's connection is idle and its staging buffer holds the frame (else, for one
+        step, or where C does not combine the type, ``swap`` by ``swap``); a step that did
+        not end well is then settled as ``swap`` settles its own."""
+        combines = combining is not None and native_combines(combining.dtype, combining.op)
+        if combining is not None and not combines:
+            return super().swaps(steps, head, payload, priority, seconds, combining)
+        plan = self._swap_plans.get(steps)
+        if plan is None:  # (a communicator's swaps are few, the same tuples each time)
+            peers, numbers, firsts = zip(*steps, strict=True)
+            plan = self._swap_plans[steps] = (peers, numbers, firsts)
+        whole, fds, rooms = len(head) + payload.nbytes, [], []
+        for peer in plan[0]:
+            found_room = self._room_in_c(peer, whole, payload.nbytes)
+            if found_room is None:
+                return super().swaps(steps, head, payload, priority, seconds, combining)
+            fds.append(found_room[0].fd)
+            rooms.append(found_room[1])
+        how = (combining.into, combining.dtype, combining.op) if combining is not None else ()
+        done, found, sent, n = native_swaps(tuple(fds), tuple(rooms), plan[1], plan[2], head,
+                                            STEP_AT, payload, seconds, *how)  # fmt: skip
+        if done == len(steps):
+            return done, COMBINED
+        peer, step, _ = steps[done]
+        return done, self._swapped(self._peers[peer], with_step(head, step), payload, priority,
+                                   rooms[done], found, sent, n)  # fmt: skip
 
     def take_frame(
         self, peer: int, head: bytes, size: int, seconds: float = 0.0

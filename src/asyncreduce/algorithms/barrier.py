@@ -12,6 +12,8 @@ round a swap with one partner, which a direct run makes in one call (``swaps``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .base import Array, Collective, Combining, ProtocolError, Send, Swap
@@ -29,15 +31,13 @@ class Barrier(Collective):
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
-        self._rounds = (world_size - 1).bit_length()
-        self._expected = self._rounds
+        self._rounds = self._expected = (world_size - 1).bit_length()
         self._arrived: set[int] = set()
         self._next = 0  # the round whose message this rank waits for
-        self._butterfly = world_size & (world_size - 1) == 0  # a power of two: r xor 2^i
-        self.sources = frozenset(self._source(s) for s in range(self._rounds))
-        self.partners = self.sources | {self._target(s) for s in range(self._rounds)}
-        if self._butterfly and self._rounds:  # (RunsDirectly: every round a swap)
-            self.swaps = tuple(Swap(self._target(s), s, False) for s in range(self._rounds))
+        self.sources, self.partners, swaps = _partners(rank, world_size)  # (a power of two
+        # ranks: the butterfly, r xor 2^i)
+        if swaps:  # (RunsDirectly: every round a swap)
+            self.swaps = swaps
 
     @property
     def awaited(self) -> tuple[int, int] | None:
@@ -47,14 +47,10 @@ class Barrier(Collective):
         return self._source(self._next), self._next
 
     def _source(self, step: int) -> int:
-        if self._butterfly:
-            return self.rank ^ (1 << step)
-        return (self.rank - (1 << step)) % self.world_size
+        return _source(self.rank, self.world_size, step)
 
     def _target(self, step: int) -> int:
-        if self._butterfly:
-            return self.rank ^ (1 << step)
-        return (self.rank + (1 << step)) % self.world_size
+        return _target(self.rank, self.world_size, step)
 
     @property
     def combining(self) -> Combining | None:
@@ -96,3 +92,32 @@ class Barrier(Collective):
             self._next += 1
             sends += self._send(self._next)
         return sends
+
+
+
+def _source(rank: int, world_size: int, step: int) -> int:
+    """Whom ``rank`` hears from in round ``step``."""
+    if world_size & (world_size - 1) == 0:  # (the butterfly)
+        return rank ^ (1 << step)
+    return (rank - (1 << step)) % world_size
+
+
+def _target(rank: int, world_size: int, step: int) -> int:
+    """Whom ``rank`` tells in round ``step``."""
+    if world_size & (world_size - 1) == 0:
+        return rank ^ (1 << step)
+    return (rank + (1 << step)) % world_size
+
+
+@functools.cache
+def _partners(
+    rank: int, world_size: int
+) -> tuple[frozenset[int], frozenset[int], tuple[Swap, ...]]:
+    """A rank's sources, partners and swaps (none where the ranks are not a power of two):
+    the same for every barrier of a communicator, so worked out once (read-only)."""
+    rounds = range((world_size - 1).bit_length())
+    sources = frozenset(_source(rank, world_size, s) for s in rounds)
+    partners = sources | {_target(rank, world_size, s) for s in rounds}
+    butterfly = world_size & (world_size - 1) == 0
+    swaps = tuple(Swap(_target(rank, world_size, s), s, False) for s in rounds) if butterfly else ()
+    return sources, partners, swaps

@@ -267,22 +267,18 @@ class DirectCalls:
         dtype, desc = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
         algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
-        return self._run(algo, desc, key, label, priority, lambda: x, runner)
+        log_post(backend.rank, label, desc)
+        adopt = _adopter(key, label, desc, algo, lambda: x, priority, None, runner)
+        return backend.engine.run(key, label, desc, algo, priority, None, adopt)
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """``Engine.run`` of a barrier numbered ``key``: None, done; else its request."""
         backend, desc = self._backend, self._barrier
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
-        return self._run(algo, desc, key, label, 0, _nothing, runner)
-
-    def _run(
-        self, algo: DirectAllreduce | Barrier, desc: Descriptor, key: Key, label: str,
-        priority: int, result: Callable[[], Any], runner: CallbackRunner,
-    ) -> Request[Any] | None:  # fmt: skip
-        log_post(self._backend.rank, label, desc)
-        adopt = _adopter(key, label, desc, algo, result, priority, None, runner)
-        return self._backend.engine.run(key, label, desc, algo, priority, None, adopt)
+        log_post(backend.rank, label, desc)
+        adopt = _adopter(key, label, desc, algo, _nothing, 0, None, runner)
+        return backend.engine.run(key, label, desc, algo, 0, None, adopt)
 
 
 def _nothing() -> None:

@@ -49,8 +49,9 @@ What the report shows per (model, method, K):
 * **where the time goes**, a second table (``scaling_usage``): CPU seconds per iteration of
   the training thread, asyncreduce's progress thread, the rest of the process and the whole
   process (mean over ranks), how long the training and the progress threads were ready to
-  run and waited for a core (**ready**: more ranks than cores), all ranks' CPU as a share of the machine's cores, and the link's
-  utilisation each way over the same timed window; every rank's totals are in the JSON.
+  run and waited for a core (**ready**: more ranks than cores), all ranks' CPU as a share of
+  the machine's cores, and the link's utilisation each way over the same timed window; every
+  rank's totals are in the JSON.
 
 One rank is ``scaling_rank.py``, the report ``scaling_report.py``, the terms they share with
 this file (methods, ports, the link's arithmetic) ``scaling_setup.py``, the models

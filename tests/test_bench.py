@@ -97,6 +97,8 @@ def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     assert us["n2_sleep_latency"] > 0 and us["n2_sleep_cpu"] > 0, us
     assert us["n2_lane_latency"] > 0 and us["n2_lane_cpu"] > 0, us
     # the lane's whole call in one thread costs less than one operation on the engine's path
-    # (not compared with the lane's real ranks: their CPU per operation is about the same)
+    # (not compared with the lane's real ranks: their CPU per operation is about the same),
+    # and less with the C mailbox than with the Python one (which now costs about as much as
+    # a direct run over TCP: not compared with it)
     assert 0 < us["lane_cpu"] < us["n2_spin_cpu"], us
-    assert 0 < us["lane_python_cpu"] < us["n2_spin_cpu"], us
+    assert 0 < us["lane_cpu"] < us["lane_python_cpu"], us

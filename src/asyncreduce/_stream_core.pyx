@@ -2,8 +2,9 @@
 """A direct run's wait for its partner's frame, in C (the issue's "small native helper"):
 ``take`` reads a TCP stream until it holds one expected frame whole, spinning without the
 GIL and yielding the core between looks; ``swap`` first sends this rank's frame of the same
-step (one call for a step of recursive doubling). ``TcpTransport.take_frame`` and
-``TcpTransport.swap`` are their callers; the Python path (``send_now``, then a look with
+step (a step of recursive doubling), and ``swaps`` makes every step of an operation so, one
+after the other, in one call. ``TcpTransport.take_frame``, ``TcpTransport.swap`` and
+``TcpTransport.swaps`` are their callers; the Python path (``send_now``, then a look with
 MSG_PEEK and the same bytes dropped with MSG_TRUNC) is the reference, which the tests also
 run (ASYNCREDUCE_NATIVE=0).
 

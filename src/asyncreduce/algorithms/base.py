@@ -159,7 +159,7 @@ class RunsDirectly(Protocol):
     def swaps(self) -> tuple[Swap, ...] | None:
         """Where every step is a swap of the buffer with one partner, combined into it as it
         arrives (a power of two ranks of recursive doubling): those steps in order, which
-        the caller may run itself (in C: ``Transport.swap``) and then tell ``swapped``.
+        the caller may run itself (in C: ``Transport.swaps``) and then tell ``swapped``.
         None: message by message (``start``, ``awaited``, ``on_view``)."""
 
     @property

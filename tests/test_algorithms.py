@@ -1303,6 +1303,9 @@ def test_swaps_then_messages_agree_bitwise_with_messages_alone(n: int, op: str) 
         for r, stand_in in enumerate(stand_ins):  # the algorithm made only where swaps stop
             assert stand_in.done and (stand_in._algorithm is None) == (done == rounds)
             assert stand_in.buffer.tobytes() == alone[r].buffer.tobytes(), (done, r)
+            made = stand_in.algorithm  # (asked for after all: done, nothing combined again)
+            assert made.done and made.awaited is None and made.pending_sources == set()
+            assert stand_in.buffer.tobytes() == alone[r].buffer.tobytes(), (done, r)
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7])

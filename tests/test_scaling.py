@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -182,8 +183,10 @@ def test_waits_for_a_core_show_two_threads_on_one_cpu_and_not_a_sleeping_one() -
         stop.set()
         for thread in [*spinners, sleeper]:
             thread.join(10)
+    if any(math.isnan(w) for w in waited):
+        pytest.skip("this kernel keeps no schedstat")
     assert sum(waited) >= 0.3, waited  # (0.5 s of the CPU for two: about 0.25 s each)
-    assert slept < 0.02
+    assert slept < 0.05  # (at most a slice behind the spinners, once, as it starts)
 
 
 def test_thread_cpu_of_a_thread_that_is_gone_is_zero() -> None:

@@ -637,46 +637,58 @@ def test_swap_sends_its_frame_then_takes_the_partners(native: bool) -> None:
 
 @pytest.mark.parametrize("native", TAKES)
 @pytest.mark.parametrize("ahead", ["both", "first", "another"])
+@pytest.mark.parametrize("op", ["sum", "max"])
 def test_swaps_run_step_after_step_and_stop_where_one_does_not_end_well(
-    native: bool, ahead: str
+    native: bool, ahead: str, op: str
 ) -> None:
     """``Transport.swaps``: each step sends the buffer as the step before left it, with its
     own step in the header, and combines the partner's frame of that step, all in one call
     into C; the partner's second frame not there yet: (1, None); its frame of another
     operation there instead: (1, ELSEWHERE), and poll reads that. The Python look stops at
     the first step with the frame, for numpy to combine (the engine goes on message by
-    message). The partner here sends its frames ahead, so one process runs both sides."""
+    message). The partner here sends its frames ahead, so one process runs both sides. Max
+    of signed zeros and NaNs gives other bits in the other order: each step's own."""
     ta, sa, tb, sb = tcp_pair(native)
-    f32, add = DTYPES["float32"].code, REDUCTION_CODES["sum"]
+    f32 = DTYPES["float32"]
     steps = (Swap(1, 1, True), Swap(1, 2, False))  # (the peer's operand first, then ours)
-    mine = np.arange(64, dtype=np.float32)
+    nan = np.float32("nan")
+    signed = np.array([0.0, -0.0, nan, -nan] * 16, np.float32)  # (max: the first of equals)
+    mine = np.arange(64, dtype=np.float32) if op == "sum" else signed.copy()
+    start = mine.copy()
     theirs = [np.full(64, 0.25, np.float32), np.full(64, 3.0, np.float32)]
+    if op == "max":
+        theirs = [-signed, signed.copy()]
     head, _ = frame(WHOLE, mine.tobytes(), step=1)
     tb.send_now(0, head, memoryview(theirs[0]), 0)
     if ahead == "both":
         tb.send_now(0, with_step(head, 2), memoryview(theirs[1]), 0)
     elif ahead == "another":
         tb.send_now(0, frame(b"another", mine.tobytes(), step=2)[0], memoryview(mine), 0)
-    how = Combining(memoryview(mine).cast("B"), f32, add)
+    how = Combining(memoryview(mine).cast("B"), f32.code, REDUCTION_CODES[op])
     done, view = ta.swaps(steps, head, how.into, 0, 0.05, how)
     if not native:  # (the frame handed back at the first step, as swap hands it back)
         assert done == 0 and view is not None and view is not ELSEWHERE
         assert view.tobytes() == theirs[0].tobytes()
         pump(ta, tb, until=lambda: len(sb.frames) == 1)
-        assert sb.frames[0][1].step == 1
-        assert sb.frames[0][2] == np.arange(64, dtype=np.float32).tobytes()
+        assert sb.frames[0][1].step == 1 and sb.frames[0][2] == start.tobytes()
         ta.close()
         tb.close()
         return
     want = {"both": (2, COMBINED), "first": (1, None), "another": (1, ELSEWHERE)}[ahead]
     assert (done, view) == want
-    expected = np.arange(64, dtype=np.float32) + theirs[0] + (theirs[1] if done == 2 else 0)
-    assert mine.tobytes() == expected.tobytes()
+    after = [start.copy()]  # the buffer after each step, as numpy combines it
+    for step, (_, _, incoming_first) in enumerate(steps[:done]):
+        after.append(after[-1].copy())
+        combine(f32, op, after[-1], theirs[step], incoming_first)
+    assert mine.tobytes() == after[done].tobytes()
+    if op == "max":  # (which the other order would not give)
+        flipped = start.copy()
+        combine(f32, op, flipped, theirs[0], not steps[0].incoming_first)
+        assert flipped.tobytes() != after[1].tobytes()
     pump(ta, tb, until=lambda: len(sb.frames) == 2)  # the buffer as each step found it:
     (_, h1, p1), (_, h2, p2) = sb.frames
     assert (h1.step, h2.step) == (1, 2) and h1.name == h2.name == WHOLE
-    assert p1 == np.arange(64, dtype=np.float32).tobytes()
-    assert p2 == (np.arange(64, dtype=np.float32) + theirs[0]).tobytes()
+    assert p1 == after[0].tobytes() and p2 == after[1].tobytes()
     if ahead == "another":
         pump(ta, tb, until=lambda: len(sa.frames) == 1)
         assert sa.frames[0][1].name == b"another"

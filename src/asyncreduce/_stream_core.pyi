@@ -9,6 +9,7 @@ END: Final[int]
 PART: Final[int]
 UNSENT: Final[int]
 COMBINED: Final[int]
+MAX_HEAD: Final[int]
 
 def take(
     fd: int, head: bytes, room: memoryview, whole: int, seconds: float, offset: int = 0

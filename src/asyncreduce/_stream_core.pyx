@@ -133,10 +133,11 @@ cdef inline bint _aligned(const void *a, const void *b, int dtype) noexcept nogi
 
 cdef int _swap_one(int fd, const unsigned char *head, Py_ssize_t hl,
                    const unsigned char *payload, Py_ssize_t size, unsigned char *room,
-                   double seconds, unsigned char *target, int dtype, int op,
+                   double seconds, bint combine, unsigned char *target, int dtype, int op,
                    int incoming_first, ssize_t *sent, Py_ssize_t *n) noexcept nogil:
     """One ``swap`` (see it), without the GIL: what it found; ``sent[0]`` and ``n[0]``: the
-    bytes sent (an errno, negated, on an error) and taken."""
+    bytes sent (an errno, negated, on an error) and taken. ``combine``: into ``target``
+    (NULL for an empty payload, which is then COMBINED as it is)."""
     cdef iovec parts[2]
     cdef msghdr msg
     cdef int found = _UNSENT
@@ -153,8 +154,9 @@ cdef int _swap_one(int fd, const unsigned char *head, Py_ssize_t hl,
         sent[0] = 0 if errno == EAGAIN or errno == EINTR else -errno
     elif sent[0] == hl + size:
         found = _take(fd, head, hl, room, hl + size, seconds, n)
-        if found == _FRAME and target != NULL and _aligned(target, room + hl, dtype):
-            ar_combine(dtype, op, target, room + hl, size, incoming_first)
+        if found == _FRAME and combine and (size == 0 or _aligned(target, room + hl, dtype)):
+            if size:
+                ar_combine(dtype, op, target, room + hl, size, incoming_first)
             found = _COMBINED
     return found
 
@@ -187,16 +189,19 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
     cdef ssize_t sent = 0
     cdef int found
     cdef unsigned char *target = _target(into, size, dtype, op)
+    cdef bint combine = into is not None
     _check_room(hl, room.shape[0], hl + size, 0)
     with nogil:
         found = _swap_one(fd, &head[0], hl, &payload[0] if size else NULL, size, &room[0],
-                          seconds, target, dtype, op, incoming_first, &sent, &n)
+                          seconds, combine, target, dtype, op, incoming_first, &sent, &n)
     return found, sent, n
 
 
 cdef enum:
     _MAX_SWAPS = 32  # steps of one ``swaps`` call (a world of 2**32 ranks)
-    _MAX_HEAD = 48 + 1024  # a header and the longest name (frame.py)
+    _MAX_HEAD = 48 + 1024  # a header and the longest name (frame.py; tcp.py checks)
+
+MAX_HEAD = _MAX_HEAD  # the longest header and name ``swaps`` takes
 
 
 def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t step_at,
@@ -207,11 +212,12 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
     ``step_at``), the partner's operand first where ``firsts[i]``. Each goes on only if the
     one before ended well: COMBINED where ``into`` is given, else (empty messages) FRAME.
     (how many ended well, then what the next one found, sent and took, as ``swap`` says;
-    (COMBINED or FRAME, 0, 0) after them all). The buffers are taken by the buffer
+    (COMBINED or FRAME, 0, 0) after them all). A header longer than ``MAX_HEAD`` is refused. The buffers are taken by the buffer
     protocol, not as typed memoryviews: this is called for every small allreduce."""
     cdef Py_ssize_t count = len(fds), i, taken = 0, n = 0
     cdef ssize_t sent = 0
-    cdef int found = _FRAME, done = 0, well = _FRAME, failed = 0
+    cdef int found = _FRAME, done = 0, well = _FRAME
+    cdef bint combine = into is not None
     cdef int cfds[_MAX_SWAPS]
     cdef unsigned int csteps[_MAX_SWAPS]
     cdef int cfirsts[_MAX_SWAPS]
@@ -231,7 +237,7 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
             try:
                 if into is not None:
                     target = _target_of(&cinto, cpayload.len, dtype, op)
-                    well = _COMBINED if cpayload.len else _FRAME
+                    well = _COMBINED
                 if chead.len > _MAX_HEAD or not 0 <= step_at <= chead.len - 4:
                     raise ValueError(f"a {chead.len}-byte header with its step at {step_at}")
                 memcpy(hbuf, chead.buf, <size_t>chead.len)
@@ -249,8 +255,9 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
                         hbuf[step_at + 3] = (csteps[i] >> 24) & 0xFF
                         found = _swap_one(cfds[i], hbuf, chead.len,
                                           <const unsigned char *>cpayload.buf, cpayload.len,
-                                          <unsigned char *>croom[i].buf, seconds, target,
-                                          dtype, op, cfirsts[i], &sent, &n)
+                                          <unsigned char *>croom[i].buf, seconds,
+                                          combine, target, dtype, op, cfirsts[i], &sent,
+                                          &n)
                         if found != well:
                             break
                         done += 1

@@ -94,7 +94,6 @@ class Barrier(Collective):
         return sends
 
 
-
 def _source(rank: int, world_size: int, step: int) -> int:
     """Whom ``rank`` hears from in round ``step``."""
     if world_size & (world_size - 1) == 0:  # (the butterfly)

@@ -122,6 +122,14 @@ class RecursiveDoubling(Collective):
             return quiet_numpy(self._advance)  # ours)
         return self._advance()
 
+    def finished(self) -> None:
+        """Every step ran elsewhere (a direct run's swaps, ``DirectAllreduce``) and the
+        buffer holds the result, divided for avg: done, with nothing left to send."""
+        if self.swaps is None or self._step:
+            raise ProtocolError("recursive doubling: only a fresh run with swaps can be done")
+        self._received = self._expected
+        self._step, self._sent_step = self._last_step + 1, self._rounds
+
     def on_message(self, src: int, step: int, seg: int, payload: Array) -> list[Send]:
         self._received += 1
         if self._sits_out:
@@ -180,11 +188,16 @@ class DirectAllreduce:
 
     @property
     def algorithm(self) -> RecursiveDoubling:
-        """The allreduce itself, made the first time it is asked for (the same one after)."""
+        """The allreduce itself, made the first time it is asked for (the same one after);
+        after every swap ran, one that is done (the buffer holds the result: nothing is
+        combined or divided again)."""
         if self._algorithm is None:
-            self._algorithm = RecursiveDoubling(
+            algorithm = RecursiveDoubling(
                 self.rank, self.world_size, self.buffer, self.dtype, self.reduce_op
             )
+            if self._swapped:
+                algorithm.finished()
+            self._algorithm = algorithm
         return self._algorithm
 
     def start(self) -> list[Send]:

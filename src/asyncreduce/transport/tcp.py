@@ -55,12 +55,14 @@ if TYPE_CHECKING:
 try:
     from .._stream_core import COMBINED as COMBINED_HERE
     from .._stream_core import FRAME, NOTHING, PART, UNSENT
+    from .._stream_core import MAX_HEAD as NATIVE_MAX_HEAD
     from .._stream_core import combines as native_combines
     from .._stream_core import swap as native_swap
     from .._stream_core import swaps as native_swaps
     from .._stream_core import take as native_take
 except ImportError:  # not built (no C compiler at set-up): the Python look alone
-    native_take = native_swap = native_swaps = None  # type: ignore[assignment]
+    native_take = native_swap = native_swaps = native_combines = None  # type: ignore[assignment]
+    NATIVE_MAX_HEAD = 0  # type: ignore[misc]
 
 __all__ = ["TcpTransport", "native_take_wanted"]
 
@@ -365,12 +367,14 @@ class TcpTransport(Transport):
         self, steps: tuple[Swap, ...], head: bytes, payload: memoryview, priority: int,
         seconds: float = 0.0, combining: Combining | None = None,
     ) -> tuple[int, memoryview | None]:  # fmt: skip
-        """(See Transport.) All in one call into C (``_stream_core.swaps``) where every
-        step's connection is idle and its staging buffer holds the frame (else, for one
-        step, or where C does not combine the type, ``swap`` by ``swap``); a step that did
-        not end well is then settled as ``swap`` settles its own."""
-        combines = combining is not None and native_combines(combining.dtype, combining.op)
-        if combining is not None and not combines:
+        """(See Transport.) All in one call into C (``_stream_core.swaps``) where it was
+        built, every step's connection is idle and its staging buffer holds the frame (else,
+        or where C does not combine the type, ``swap`` by ``swap``); a step that did not end
+        well is then settled as ``swap`` settles its own."""
+        if native_swaps is None or not self._native_take or not steps or (
+            len(head) > NATIVE_MAX_HEAD
+            or (combining is not None and not native_combines(combining.dtype, combining.op))
+        ):  # fmt: skip
             return super().swaps(steps, head, payload, priority, seconds, combining)
         plan = self._swap_plans.get(steps)
         if plan is None:  # (a communicator's swaps are few, the same tuples each time)

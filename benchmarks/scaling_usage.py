@@ -63,22 +63,28 @@ def thread_cpu_s(native_id: int) -> float:
     ``schedstat``'s first field is the scheduler's run time in ns, the counter that
     ``time.thread_time`` reads for the calling thread; where the kernel has no schedstat,
     ``thread_ticks_s``. 0.0 for a thread that has exited (its time is in the process's)."""
-    task = Path(f"/proc/self/task/{native_id}")
-    try:
-        return int((task / "schedstat").read_text().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return thread_ticks_s(native_id)  # (0.0 too once the thread has exited)
+    ran = _schedstat_s(native_id, 0)
+    return thread_ticks_s(native_id) if ran is None else ran  # (0.0 too once it exited)
 
 
 def thread_waited_s(native_id: int) -> float:
     """Seconds thread ``native_id`` of this process has spent runnable but not running,
     waiting for a core (``schedstat``'s second field), so far; NaN where the kernel keeps no
     schedstat, 0.0 for a thread that has exited."""
-    task = Path(f"/proc/self/task/{native_id}")
+    waited = _schedstat_s(native_id, 1)
+    if waited is None:
+        return math.nan if Path(f"/proc/self/task/{native_id}").exists() else 0.0
+    return waited
+
+
+def _schedstat_s(native_id: int, field: int) -> float | None:
+    """Field ``field`` of thread ``native_id``'s ``schedstat`` (nanoseconds), in seconds;
+    None where it cannot be read (no schedstat, or the thread is gone)."""
     try:
-        return int((task / "schedstat").read_text().split()[1]) / 1e9
+        text = Path(f"/proc/self/task/{native_id}/schedstat").read_text()
+        return int(text.split()[field]) / 1e9
     except (OSError, ValueError, IndexError):
-        return 0.0 if not task.exists() else math.nan
+        return None
 
 
 def thread_ticks_s(native_id: int) -> float:

@@ -161,15 +161,14 @@ cdef int _swap_one(int fd, const unsigned char *head, Py_ssize_t hl,
     return found
 
 
-cdef unsigned char *_target(unsigned char[::1] into, Py_ssize_t size, int dtype,
-                            int op) except? NULL:
-    """Where ``swap`` combines (NULL: nowhere, ``into`` is None or empty), checked."""
-    if into is None:
-        return NULL
-    if into.shape[0] != size or not combines(dtype, op):
-        raise ValueError(f"cannot combine a {size}-byte payload into {into.shape[0]} "
+cdef unsigned char *_target(unsigned char *into, Py_ssize_t length, Py_ssize_t size,
+                            int dtype, int op) except? NULL:
+    """Where a swap combines a ``size``-byte payload: ``into`` (``length`` bytes), checked;
+    NULL for an empty payload."""
+    if length != size or not combines(dtype, op):
+        raise ValueError(f"cannot combine a {size}-byte payload into {length} "
                          f"bytes of dtype {dtype} by reduction {op}")
-    return &into[0] if size else NULL
+    return into if size else NULL
 
 
 def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload,
@@ -188,8 +187,10 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
     cdef Py_ssize_t hl = head.shape[0], size = payload.shape[0], n = 0
     cdef ssize_t sent = 0
     cdef int found
-    cdef unsigned char *target = _target(into, size, dtype, op)
+    cdef unsigned char *target = NULL
     cdef bint combine = into is not None
+    if combine:
+        target = _target(&into[0] if into.shape[0] else NULL, into.shape[0], size, dtype, op)
     _check_room(hl, room.shape[0], hl + size, 0)
     with nogil:
         found = _swap_one(fd, &head[0], hl, &payload[0] if size else NULL, size, &room[0],
@@ -212,8 +213,9 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
     ``step_at``), the partner's operand first where ``firsts[i]``. Each goes on only if the
     one before ended well: COMBINED where ``into`` is given, else (empty messages) FRAME.
     (how many ended well, then what the next one found, sent and took, as ``swap`` says;
-    (COMBINED or FRAME, 0, 0) after them all). A header longer than ``MAX_HEAD`` is refused. The buffers are taken by the buffer
-    protocol, not as typed memoryviews: this is called for every small allreduce."""
+    (COMBINED or FRAME, 0, 0) after them all). A header longer than ``MAX_HEAD`` is
+    refused. The buffers are taken by the buffer protocol, not as typed memoryviews: this is
+    called for every small allreduce."""
     cdef Py_ssize_t count = len(fds), i, taken = 0, n = 0
     cdef ssize_t sent = 0
     cdef int found = _FRAME, done = 0, well = _FRAME
@@ -236,7 +238,8 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
                 PyObject_GetBuffer(into, &cinto, PyBUF_WRITABLE)
             try:
                 if into is not None:
-                    target = _target_of(&cinto, cpayload.len, dtype, op)
+                    target = _target(<unsigned char *>cinto.buf, cinto.len, cpayload.len,
+                                     dtype, op)
                     well = _COMBINED
                 if chead.len > _MAX_HEAD or not 0 <= step_at <= chead.len - 4:
                     raise ValueError(f"a {chead.len}-byte header with its step at {step_at}")
@@ -273,11 +276,3 @@ def swaps(tuple fds, tuple rooms, tuple steps, tuple firsts, head, Py_ssize_t st
         PyBuffer_Release(&chead)
     return done, found, sent, n
 
-
-cdef unsigned char *_target_of(Py_buffer *into, Py_ssize_t size, int dtype,
-                               int op) except? NULL:
-    """``_target`` of a buffer taken by the buffer protocol."""
-    if into.len != size or not combines(dtype, op):
-        raise ValueError(f"cannot combine a {size}-byte payload into {into.len} "
-                         f"bytes of dtype {dtype} by reduction {op}")
-    return <unsigned char *>into.buf if size else NULL

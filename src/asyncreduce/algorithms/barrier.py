@@ -94,16 +94,21 @@ class Barrier(Collective):
         return sends
 
 
+def _butterfly(world_size: int) -> bool:
+    """A power of two ranks: round i's partner is r xor 2^i both ways."""
+    return world_size & (world_size - 1) == 0
+
+
 def _source(rank: int, world_size: int, step: int) -> int:
     """Whom ``rank`` hears from in round ``step``."""
-    if world_size & (world_size - 1) == 0:  # (the butterfly)
+    if _butterfly(world_size):
         return rank ^ (1 << step)
     return (rank - (1 << step)) % world_size
 
 
 def _target(rank: int, world_size: int, step: int) -> int:
     """Whom ``rank`` tells in round ``step``."""
-    if world_size & (world_size - 1) == 0:
+    if _butterfly(world_size):
         return rank ^ (1 << step)
     return (rank + (1 << step)) % world_size
 
@@ -117,6 +122,7 @@ def _partners(
     rounds = range((world_size - 1).bit_length())
     sources = frozenset(_source(rank, world_size, s) for s in rounds)
     partners = sources | {_target(rank, world_size, s) for s in rounds}
-    butterfly = world_size & (world_size - 1) == 0
-    swaps = tuple(Swap(_target(rank, world_size, s), s, False) for s in rounds) if butterfly else ()
+    swaps = () if not _butterfly(world_size) else tuple(
+        Swap(_target(rank, world_size, s), s, False) for s in rounds
+    )
     return sources, partners, swaps

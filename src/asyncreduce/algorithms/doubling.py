@@ -104,8 +104,7 @@ class RecursiveDoubling(Collective):
     @property
     def combining(self) -> Combining:
         """(``RunsDirectly``) How each of ``swaps`` combines: into the buffer, as ``on_view``."""
-        into = memoryview(self.buffer).cast("B")  # type: ignore[arg-type]
-        return Combining(into, self.dtype.code, REDUCTION_CODES[self.reduce_op])
+        return _combining(self.buffer, self.dtype, self.reduce_op)
 
     def swapped(self, done: int) -> list[Send]:
         """(``RunsDirectly``) The caller ran the first ``done`` of ``swaps`` and the message
@@ -177,8 +176,7 @@ class DirectAllreduce:
         plan = _schedule(rank, world_size)
         self.swaps, self.sources = plan.swaps, plan.partners  # (RecursiveDoubling's own)
         self.partners, self.message_bytes = plan.partners, buffer.nbytes
-        into = memoryview(buffer).cast("B")  # type: ignore[arg-type]
-        self.combining = Combining(into, dtype.code, REDUCTION_CODES[reduce_op])
+        self.combining = _combining(buffer, dtype, reduce_op)
         self._algorithm: RecursiveDoubling | None = None
         self._swapped = False  # every swap ran, with no algorithm made: done
 
@@ -219,6 +217,12 @@ class DirectAllreduce:
         if self.reduce_op == "avg":
             quiet_numpy(finalize, self.dtype, "avg", self.buffer, self.world_size)
         return []
+
+
+def _combining(buffer: Array, dtype: DType, reduce_op: str) -> Combining:
+    """How a swap combines into ``buffer`` (its bytes, the type's and the reduction's codes)."""
+    into = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+    return Combining(into, dtype.code, REDUCTION_CODES[reduce_op])
 
 
 class _Schedule(NamedTuple):

@@ -387,9 +387,8 @@ class TcpTransport(Transport):
                 return super().swaps(steps, head, payload, priority, seconds, combining)
             fds.append(found_room[0].fd)
             rooms.append(found_room[1])
-        how = (combining.into, combining.dtype, combining.op) if combining is not None else ()
         done, found, sent, n = native_swaps(tuple(fds), tuple(rooms), plan[1], plan[2], head,
-                                            STEP_AT, payload, seconds, *how)  # fmt: skip
+                                            STEP_AT, payload, seconds, *(combining or ()))
         if done == len(steps):
             return done, COMBINED
         peer, step, _ = steps[done]

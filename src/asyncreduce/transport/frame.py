@@ -198,7 +198,7 @@ class FrameReader:
             self._stage[: self._hi - self._lo] = self._stage[self._lo : self._hi]
             self._hi -= self._lo
             self._lo = 0
-        return self._view[self._hi :]
+        return self._view[self._hi :] if self._hi else self._view  # (no slice: the most)
 
     def received(self, nbytes: int) -> bool:
         """``nbytes`` went into ``room()``; True if they completed the payload (``finish``)."""

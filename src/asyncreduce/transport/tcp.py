@@ -368,11 +368,12 @@ class TcpTransport(Transport):
         seconds: float = 0.0, combining: Combining | None = None,
     ) -> tuple[int, memoryview | None]:  # fmt: skip
         """(See Transport.) All in one call into C (``_stream_core.swaps``) where it was
-        built, every step's connection is idle and its staging buffer holds the frame (else,
+        built, no begun frame waits and every step's staging buffer holds the frame (else,
         or where C does not combine the type, ``swap`` by ``swap``); a step that did not end
-        well is then settled as ``swap`` settles its own."""
+        well is then settled as ``swap`` settles its own. Every peer is ``quiet`` (the
+        caller's look): that is not looked at again."""
         if native_swaps is None or not self._native_take or not steps or (
-            len(head) > NATIVE_MAX_HEAD
+            self._begun is not None or len(head) > NATIVE_MAX_HEAD
             or (combining is not None and not native_combines(combining.dtype, combining.op))
         ):  # fmt: skip
             return super().swaps(steps, head, payload, priority, seconds, combining)
@@ -382,11 +383,12 @@ class TcpTransport(Transport):
             plan = self._swap_plans[steps] = (peers, numbers, firsts)
         whole, fds, rooms = len(head) + payload.nbytes, [], []
         for peer in plan[0]:
-            found_room = self._room_in_c(peer, whole, payload.nbytes)
-            if found_room is None:
+            target = self._peers[peer]
+            room = target.reader.room()  # (between frames: all of the staging buffer)
+            if whole > len(room):
                 return super().swaps(steps, head, payload, priority, seconds, combining)
-            fds.append(found_room[0].fd)
-            rooms.append(found_room[1])
+            fds.append(target.fd)
+            rooms.append(room)
         done, found, sent, n = native_swaps(tuple(fds), tuple(rooms), plan[1], plan[2], head,
                                             STEP_AT, payload, seconds, *(combining or ()))
         if done == len(steps):

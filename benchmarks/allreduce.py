@@ -24,6 +24,12 @@ measures, identically for every library:
 
 Size 0 (``--sizes 0,1K``) times each library's barrier the same way: the row ``barrier``.
 
+``--rounds R`` starts every library's worker sets R times, the libraries taking turns to go
+first (round r starts with the r-th), so each library meets the machine in each round as its
+rivals do; a point is then its median round, and a ratio the median of the rounds' own ratios
+with their spread. Fresh ranks each round also meet a fresh placement on the cores, which on a
+small machine decides a round (two ranks on one core cost every step a context switch).
+
 Every number a rank agrees on (the estimate, each repeat's time) goes through the library's own
 allreduce with op max, so all ranks always run the same number of operations.
 
@@ -156,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"timed repeats per point, the median is reported (default {DEFAULT_REPEATS})",
     )
     parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        metavar="R",
+        help="start every library's ranks R times, the libraries in turn first; each point is "
+        "the median round and each ratio the median of the rounds' ratios (default 1)",
+    )
+    parser.add_argument(
         "--timeout",
         type=positive_float,
         default=None,
@@ -179,6 +193,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         repeats=args.repeats,
         timeout=args.timeout,
         quick=args.quick,
+        rounds=args.rounds,
     )
 
 
@@ -213,8 +228,9 @@ def _allowance(nbytes: int, nprocs: int, settings: Settings) -> float:
 
 
 def _run_set(
-    lib: str, nprocs: int, settings: Settings, run: Run, progress: harness.Progress
-) -> None:
+    lib: str, nprocs: int, settings: Settings, run: Run, progress: harness.Progress,
+    round_: int = 0,
+) -> None:  # fmt: skip
     allowances = [_allowance(s, nprocs, settings) for s in settings.sizes]
     sizes = ",".join(str(s) for s in settings.sizes)
     limit = settings.timeout or (harness.STARTUP_S + sum(allowances))
@@ -229,6 +245,8 @@ def _run_set(
         silence="progress",
         killed_first=True,
         limit_note=" (--timeout)" if settings.timeout else "",
+        where=f"round {round_ + 1}" if settings.rounds > 1 else "",
+        row={"round": round_} if settings.rounds > 1 else {},
     )  # fmt: skip
     tag = harness.set_tag(spec)
 
@@ -257,10 +275,17 @@ def _run_set(
                     repeats_us=[float(t) for t in message["repeats_us"]],
                     iters=int(message["iters"]),
                     warmup=int(message["warmup"]),
+                    round=round_,
                 )
             )
 
     harness.drive_set(spec, run, progress, take, allow)
+
+
+def _in_turn(libs: list[str], round_: int) -> list[str]:
+    """The libraries in round ``round_``'s order: each first in turn."""
+    first = round_ % len(libs)
+    return libs[first:] + libs[:first]
 
 
 def _parent_main(
@@ -272,10 +297,11 @@ def _parent_main(
     progress = harness.Progress()
     interrupted = False
     try:
-        for nprocs in settings.nprocs:
-            for lib in settings.libs:
-                if lib not in run.skipped:
-                    _run_set(lib, nprocs, settings, run, progress)
+        for round_ in range(settings.rounds):
+            for nprocs in settings.nprocs:
+                for lib in _in_turn(settings.libs, round_):
+                    if lib not in run.skipped:
+                        _run_set(lib, nprocs, settings, run, progress, round_)
     except KeyboardInterrupt:  # the worker set is already torn down; report what we have
         interrupted = True
         progress.end(f"{_SAY}interrupted; partial results follow")

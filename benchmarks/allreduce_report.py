@@ -1,10 +1,13 @@
 """What one run of the allreduce benchmark holds, and how it is shown: tables, JSON, plot.
 
 ``Settings`` are the resolved options (parent and workers read the same), ``Result`` one
-(library, N, size) point as a worker measured it, ``Run`` all of them with what was skipped or
-failed. ``report`` prints the machine line, one core's memcpy bandwidth (the yardstick of a
-one-host allreduce), the settings, then one ``table`` per N: latency and bus bandwidth per
-library in ``LIBS`` order, and asyncreduce's (``OURS``) ratios to the others.
+(library, N, size) point as a worker measured it in one round, ``Run`` all of them with what
+was skipped or failed. ``report`` prints the machine line, one core's memcpy bandwidth (the
+yardstick of a one-host allreduce), the settings, then one ``table`` per N: latency and bus
+bandwidth per library in ``LIBS`` order, and asyncreduce's (``OURS``) ratios to the others.
+Over several rounds (``--rounds``) a point is the median of its rounds, and a ratio the median
+of the rounds' own ratios, with their spread: each round's pair met the machine in the same
+state, so a round where the scheduler placed one library's ranks badly does not decide it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Settings:
     repeats: int
     timeout: float | None
     quick: bool
+    rounds: int = 1
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Result:
     repeats_us: list[float]
     iters: int
     warmup: int
+    round: int = 0
 
 
 @dataclass
@@ -66,11 +71,23 @@ class Run:
     failures: list[dict[str, Any]] = field(default_factory=list)
     set_seconds: dict[str, float] = field(default_factory=dict)  # "lib N=n" -> wall time
 
+    def rounds_of(self, lib: str, nprocs: int, nbytes: int) -> dict[int, Result]:
+        """The point's result in each round that measured it, by round."""
+        point = (lib, nprocs, nbytes)
+        return {r.round: r for r in self.results if (r.lib, r.nprocs, r.bytes) == point}
+
     def get(self, lib: str, nprocs: int, nbytes: int) -> Result | None:
-        for r in self.results:
-            if (r.lib, r.nprocs, r.bytes) == (lib, nprocs, nbytes):
-                return r
-        return None
+        """The point over its rounds: the one result, or the round of median latency (the
+        lower middle one of an even count)."""
+        found = sorted(self.rounds_of(lib, nprocs, nbytes).values(), key=lambda r: r.latency_us)
+        return found[(len(found) - 1) // 2] if found else None
+
+    def ratios(self, ours: str, other: str, nprocs: int, nbytes: int, kind: str) -> list[float]:
+        """Per round that measured both: ``kind`` "lat", our latency / the other's; else
+        (bandwidth, and a barrier's speed) the other's latency / ours."""
+        mine, theirs = self.rounds_of(ours, nprocs, nbytes), self.rounds_of(other, nprocs, nbytes)
+        pairs = [(mine[i].latency_us, theirs[i].latency_us) for i in sorted(mine) if i in theirs]
+        return [a / b if kind == "lat" else b / a for a, b in pairs]
 
     def failed(self, lib: str, nprocs: int) -> bool:
         return any((f["lib"], f["nprocs"]) == (lib, nprocs) for f in self.failures)
@@ -140,16 +157,8 @@ def table(run: Run, nprocs: int) -> str:
                 row += [cell, cell]
             else:
                 row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps) if nbytes else "-"]
-        for _, ours, kind, lib in ratios:
-            mine, other = run.get(ours, nprocs, nbytes), run.get(lib, nprocs, nbytes)
-            if mine is None or other is None:
-                row.append("-")
-            elif not nbytes:  # a barrier moves no bytes: its speed against the other's
-                row.append(f"{other.latency_us / mine.latency_us:.2f}x")
-            elif kind == "lat":
-                row.append(f"{mine.latency_us / other.latency_us:.2f}x")
-            else:
-                row.append(f"{mine.busbw_gbps / other.busbw_gbps:.2f}x")
+        for _, ours, kind, lib in ratios:  # (a barrier moves no bytes: its speed, as bw's)
+            row.append(_ratio_cell(run.ratios(ours, lib, nprocs, nbytes, kind)))
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     widths[0] = max(widths[0], 7)
@@ -170,7 +179,13 @@ def table(run: Run, nprocs: int) -> str:
         f"N={nprocs}: allreduce of float32 (sum, in place); us = median time per allreduce, "
         "GB/s = bus bandwidth = bytes*2(N-1)/N/time"
         + ("; window = asyncreduce on comm.shared_empty buffers" if "window" in libs else "")
-        + ("; barrier: each library's; ratio = other's time / ours" if 0 in s.sizes else ""),
+        + ("; barrier: each library's; ratio = other's time / ours" if 0 in s.sizes else "")
+        + (
+            f"; over {s.rounds} rounds: each time the median round, each ratio the median of "
+            "the rounds' ratios (min-max)"
+            if s.rounds > 1
+            else ""
+        ),
         (sep * 2).join(line1).rstrip(),
     ]
 
@@ -189,6 +204,15 @@ def table(run: Run, nprocs: int) -> str:
     out.append(render(headers))
     out += [render(r) for r in rows]
     return "\n".join(out)
+
+
+def _ratio_cell(values: list[float]) -> str:
+    """One ratio, or the median of the rounds' with their spread."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}x"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -221,6 +245,12 @@ def report(run: Run, machine: dict[str, Any]) -> str:
     lines.append(
         f"settings: min-time {s.min_time} s per point, {s.repeats} repeats (median), "
         f"warm-up up to {s.warmup}{', quick' if s.quick else ''}"
+        + (
+            f"; {s.rounds} rounds, each starting every library's ranks afresh, the libraries "
+            "in turn first"
+            if s.rounds > 1
+            else ""
+        )
     )
     for nprocs in s.nprocs:
         lines += ["", table(run, nprocs)]
@@ -248,10 +278,8 @@ def plot(path: Path, run: Run) -> None:
     fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), sharey=True, squeeze=False)
     for ax, nprocs in zip(axes[0], ns, strict=True):
         for lib in (lib for lib in LIBS if lib in run.settings.libs):
-            points = sorted(
-                (r.bytes, r.busbw_gbps) for r in run.results
-                if (r.lib, r.nprocs) == (lib, nprocs) and r.bytes  # (a barrier has no bandwidth)
-            )  # fmt: skip
+            found = (run.get(lib, nprocs, size) for size in run.settings.sizes if size)
+            points = [(r.bytes, r.busbw_gbps) for r in found if r is not None]  # (no barrier)
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=lib)
         ax.set_xscale("log", base=2)

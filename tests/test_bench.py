@@ -77,6 +77,56 @@ def test_allreduce_benchmark_writes_json(tmp_path: Path) -> None:
             assert r["algorithm"] == "-"
 
 
+def test_allreduce_rounds_start_every_set_again_and_take_medians(tmp_path: Path) -> None:
+    """--rounds 2: every library's ranks start twice, the other library first in the second
+    round; every point is kept per round, and a ratio is shown with its rounds' spread."""
+    libs = ["asyncreduce", "gloo"] if importlib.util.find_spec("torch") else ["asyncreduce"]
+    out = tmp_path / "rounds.json"
+    command = [
+        sys.executable, "-m", "asyncreduce", "bench", "allreduce", "--nprocs", "2",
+        "--sizes", "4K", "--libs", ",".join(libs), "--min-time", "0.05", "--rounds", "2",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    document = json.loads(out.read_text())
+    assert document["settings"]["rounds"] == 2
+    rounds = sorted((r["lib"], r["round"]) for r in document["results"])
+    assert rounds == sorted((lib, i) for lib in libs for i in (0, 1))
+    order = list(document["set_seconds"])  # in the order the sets ran
+    assert order == [f"{lib} N=2 round {i + 1}" for i in (0, 1) for lib in libs[i:] + libs[:i]]
+    if len(libs) == 2:
+        assert re.search(r"^4 KiB .* \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)$", done.stdout, re.M)
+
+
+def test_allreduce_report_pairs_rounds() -> None:
+    """A point is its median round; a ratio pairs each round's two libraries and takes the
+    median of those ratios, skipping a round where one of them has no result."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        import allreduce_report as report
+    finally:
+        sys.path.remove(str(folder))
+
+    def result(lib: str, latency: float, round_: int) -> object:
+        return report.Result(lib, 2, 1024, latency, 1.0, "-", latency, [latency], 1, 1, round_)
+
+    settings = report.Settings([1024], [2], ["asyncreduce", "mpi-tcp"], 0.1, 1, 1, None, False, 4)
+    run = report.Run(settings)
+    mine = (10.0, 30.0, 12.0, 11.0)  # round 1: our ranks met a bad placement
+    theirs = (5.0, 6.0, 6.0, None)  # round 3: the other library failed
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        run.results.append(result("asyncreduce", a, i))
+        if b is not None:
+            run.results.append(result("mpi-tcp", b, i))
+    best = run.get("asyncreduce", 2, 1024)
+    assert best is not None and best.latency_us == 11.0  # the lower middle of four
+    assert run.ratios("asyncreduce", "mpi-tcp", 2, 1024, "bw") == [0.5, 0.2, 0.5]
+    assert run.ratios("asyncreduce", "mpi-tcp", 2, 1024, "lat") == [2.0, 5.0, 2.0]
+    assert "0.50x (0.20-0.50)" in report.table(run, 2)
+
+
 def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     """Each part is measured and none can exceed the whole: an engine on TCP is never faster
     than the raw exchange under it, and the protocol alone costs less than an operation

@@ -535,24 +535,66 @@ def test_posting_never_waits_for_a_slot() -> None:
     assert run_ranks(2, body_unnamed_ahead_of_a_named_one) == {0: 2 * SLOTS, 1: 2 * SLOTS}
 
 
+def body_barriers(comm: ar.Communicator) -> dict[str, Any]:
+    """Rank r enters each unnamed barrier 0.2 r s late: none leaves before the last came
+    (``time.time``: the ranks share a clock). Blocking ones and ``ibarrier`` go through the
+    lane, a named one and one with a timeout too where they may (named: the engine)."""
+    lane = _lane_of(comm)
+    assert lane is not None
+    before, entered, left = lane.completed, [], []
+    for how in ("blocking", "ibarrier", "timeout", "named"):
+        time.sleep(0.2 * comm.rank)
+        entered.append(time.time())
+        if how == "blocking":
+            comm.barrier()
+        elif how == "ibarrier":
+            assert comm.ibarrier().wait(timeout=20) is None
+        else:
+            comm.barrier(timeout=20, name="b" if how == "named" else None)
+        left.append(time.time())
+    x = comm.allreduce(np.full(3, comm.rank + 1.0, np.float32))  # the lane still in step
+    return {"entered": entered, "left": left, "lane": lane.completed - before,
+            "converted": lane.converted, "sum": x.tolist()}
+
+
+@pytest.mark.parametrize("native", [pytest.param("1", marks=NATIVE), "0"], ids=["native", "python"])
+def test_unnamed_barriers_take_the_lane_and_wait_for_every_rank(native: str) -> None:
+    results = run_ranks(3, body_barriers, env={"ASYNCREDUCE_NATIVE": native})
+    for i in range(4):
+        last_in = max(got["entered"][i] for got in results.values())
+        for rank, got in results.items():
+            assert got["left"][i] >= last_in, (i, rank, got)
+    for got in results.values():  # three unnamed barriers and the allreduce; not the named
+        assert got["lane"] == 4 and got["converted"] == 0, got
+        assert got["sum"] == [6.0, 6.0, 6.0], got
+
+
 def body_differs(comm: ar.Communicator, what: str) -> str:
-    """Rank 1's unnamed allreduce differs from rank 0's 1 KiB float32 one by ``what``; both
-    must fail with MismatchError, and the communicator is broken after."""
+    """Rank 1's unnamed allreduce differs from rank 0's 1 KiB float32 one by ``what`` (or
+    is a barrier, "barrier"; an empty allreduce, "empty"); both must fail with
+    MismatchError, and the communicator is broken after."""
     x = np.ones(256, np.float32)
-    if comm.rank == 1:
-        x = {"size": np.ones(1 << 18, np.float32), "dtype": np.ones(256, np.int32),
-             "count": np.ones(255, np.float32)}[what]  # fmt: skip
+    if what == "empty":  # (a barrier first: its kept descriptor must not be the allreduce's)
+        x = np.ones(0, np.uint8)
+        comm.barrier()
     with pytest.raises(ar.MismatchError) as caught:
+        if comm.rank == 1 and what in ("barrier", "empty"):
+            comm.barrier(timeout=20)
+        elif comm.rank == 1:
+            x = {"size": np.ones(1 << 18, np.float32), "dtype": np.ones(256, np.int32),
+                 "count": np.ones(255, np.float32)}[what]  # fmt: skip
         comm.allreduce(x, timeout=20)
     with pytest.raises(ar.BrokenError):
         comm.allreduce(np.ones(4, np.float32))
     return str(caught.value)
 
 
-@pytest.mark.parametrize("what", ["size", "dtype", "count"])
+@pytest.mark.parametrize("what", ["size", "dtype", "count", "barrier", "empty"])
 def test_a_rank_that_differs_fails_every_rank_with_a_mismatch(what: str) -> None:
     """"size": rank 1's allreduce is too large for the lane, so it runs on the engine while
-    rank 0's is in the lane; "dtype", "count": both in the lane, described differently."""
+    rank 0's is in the lane; "dtype", "count": both in the lane, described differently;
+    "barrier", "empty": a barrier against an allreduce (of nothing, for "empty"), both in
+    the lane."""
     results = run_ranks(2, body_differs, what)
     for rank, message in results.items():
         assert "rank 0" in message and "rank 1" in message, (rank, message)

@@ -123,8 +123,10 @@ class Lane:
 
     @staticmethod
     def takes(kind: str, buf: Buffer, key: Key) -> bool:
-        """Whether an operation goes through the lane: unnamed small allreduces."""
-        return kind == "allreduce" and not key[0] and buf.flat.nbytes <= SLOT_BYTES
+        """Whether an operation goes through the lane: unnamed small allreduces, and unnamed
+        barriers (an allreduce of nothing: done once every rank published its slot)."""
+        small = kind == "allreduce" and buf.flat.nbytes <= SLOT_BYTES
+        return (small or kind == "barrier") and not key[0]
 
     @property
     def busy(self) -> bool:

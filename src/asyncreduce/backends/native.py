@@ -34,7 +34,7 @@ from ..algorithms import (
     Translated,
     build,
 )
-from ..buffers import numpy_dtype
+from ..buffers import as_buffer, numpy_dtype
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -86,7 +86,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._known: dict[tuple[int, str, int], tuple[Descriptor, Header]] = {}  # _descriptor
+        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, Header]] = {}  # below
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -180,10 +180,11 @@ class NativeBackend(EngineBackend):
         return found
 
     def _descriptor(self, plan: Plan) -> tuple[Descriptor, Header]:
-        """A small allreduce's descriptor and lane slot header, kept per dtype, reduction and
-        count (a loop posts the same few): building them costs more than a look."""
+        """A small allreduce's (or a barrier's) descriptor and lane slot header, kept per
+        kind, dtype, reduction and count (a loop posts the same few): building them costs
+        more than a look."""
         buf = plan.buf
-        same = (buf.dtype.code, plan.op or "sum", buf.flat.size)
+        same = (plan.kind, buf.dtype.code, plan.op or "sum", buf.flat.size)
         found = self._known.get(same)
         if found is None:
             if len(self._known) >= 256:
@@ -201,7 +202,8 @@ class NativeBackend(EngineBackend):
     def convert(self, op: LaneOp) -> None:
         """Run a lane operation on the engine after all (a peer runs it there, or disagrees
         about it): the engine's matching completes it or fails it on every rank."""
-        algo = build("allreduce", self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
+        kind = "barrier" if op.desc.kind == KINDS["barrier"] else "allreduce"  # (Lane.takes)
+        algo = build(kind, self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
         try:
             self.engine.submit(Operation(op.key, op.label, op.desc, algo, op.request, op.result,
                                          0, op.timeout))  # fmt: skip
@@ -234,6 +236,8 @@ class DirectCalls:
         empty = numpy_dtype(np.dtype(np.uint8))
         assert empty is not None
         self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
+        nothing = as_buffer(np.empty(0, np.uint8), "barrier")  # (shared: no byte to write)
+        self._lane_barrier = Plan("barrier", nothing, _nothing)
 
     def prepared(self, x: Array, op: str) -> tuple[DType, Descriptor] | None:
         """``x``'s element type and the operation's descriptor, if this runs it: a small,
@@ -272,8 +276,11 @@ class DirectCalls:
         return backend.engine.run(key, label, desc, algo, priority, None, adopt)
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
-        """``Engine.run`` of a barrier numbered ``key``: None, done; else its request."""
+        """``Engine.run`` of a barrier numbered ``key`` (``Lane.run``, where the lane takes
+        it: ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
+        if backend.lane is not None and not key[0]:
+            return backend.run(self._lane_barrier, key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)

@@ -32,6 +32,7 @@ from scaling_setup import (  # noqa: E402
 __all__ = [
     "SEED",
     "TARGET",
+    "TARGET_COMM_HEAVY",
     "USAGE_HEADERS",
     "derive",
     "ideal_scaling",
@@ -41,8 +42,14 @@ __all__ = [
     "usage_cells",
 ]
 
-TARGET = 0.95  # the issue's target for forward mode
+TARGET = 0.95  # the target for forward mode at the seed's ratio
+TARGET_COMM_HEAVY = 0.90  # and where communication is at least compute (--ratio 1.0, issue 15)
 SEED = {"blocking": 0.6672, "forward": 0.924}  # ResNet-50, 16 nodes, 10 GbE
+
+
+def target(settings: dict[str, Any]) -> float:
+    """Forward mode's scaling target at K hosts for this run's comm/compute ratio."""
+    return TARGET_COMM_HEAVY if settings.get("ratio", DEFAULT_RATIO) >= 1.0 else TARGET
 
 
 def derive(run: harness.Run) -> list[dict[str, Any]]:
@@ -206,11 +213,12 @@ def _link_lines(settings: dict[str, Any]) -> list[str]:
         "sleeps overran (the training thread kept off the CPU or the GIL)"
         + ("; QUICK smoke run" if settings.get("quick") else ""),
         f"the seed (ResNet-50, 16 nodes, 10 GbE): blocking {SEED['blocking']:.1%}, layer-wise "
-        f"{SEED['forward']:.1%}; the target here: forward >= {TARGET:.0%} and 10 points above ddp",
+        f"{SEED['forward']:.1%}; the target here: forward >= {target(settings):.0%} and 10 points "
+        "above ddp",
     ]
 
 
-def _findings(rows: list[dict[str, Any]], model: str) -> list[str]:
+def _findings(rows: list[dict[str, Any]], model: str, settings: dict[str, Any]) -> list[str]:
     """The measured blocking comm/compute ratio and forward against blocking, DDP, target."""
     by = {(r["method"], r["hosts"]): r for r in rows}
     top = max((r["hosts"] for r in rows), default=1)
@@ -222,7 +230,8 @@ def _findings(rows: list[dict[str, Any]], model: str) -> list[str]:
                      f"(the seed's comm/compute: {DEFAULT_RATIO}x)")  # fmt: skip
     fwd, ddp = by.get(("forward", top)), by.get(("ddp", top))
     if fwd is not None and fwd["scaling"] is not None and top > 1:
-        text = f"{model}: forward scales {fwd['scaling']:.1%} at K={top} (target {TARGET:.0%})"
+        goal = target(settings)
+        text = f"{model}: forward scales {fwd['scaling']:.1%} at K={top} (target {goal:.0%})"
         if ddp is not None and ddp["scaling"] is not None:
             text += f", {100 * (fwd['scaling'] - ddp['scaling']):+.1f} points vs ddp"
         if fwd["vs_local"] is not None:
@@ -250,14 +259,14 @@ def report(run: harness.Run, machine: dict[str, Any]) -> str:
         mine.sort(key=_row_order)
         lines += ["", _model_title(model, s)]
         lines += [_table(mine)] if mine else ["(no results)"]
-        lines += _findings(mine, model)
+        lines += _findings(mine, model, s)
         lines += _usage_table(mine, s, model) if mine else []
     return "\n".join(lines)
 
 
 def plot(path: Path, run: harness.Run) -> None:
     """Scaling efficiency vs hosts, one panel per model, one line per method; for resnet50
-    also the ideal blocking curve, and the issue's 95% target."""
+    also the ideal blocking curve, and forward mode's target."""
     plt = harness.pyplot()
     rows = derive(run)
     models = [m for m in run.settings["models"] if any(r["model"] == m for r in rows)]
@@ -286,7 +295,7 @@ def _plot_panel(ax: Any, model: str, rows: list[dict[str, Any]], settings: dict[
     if model == "resnet50":
         ideal = [100 * ideal_scaling(settings, "blocking", k) for k in settings["hosts"]]
         ax.plot(settings["hosts"], ideal, ":", color="black", label="blocking, link only")
-    ax.axhline(100 * TARGET, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(100 * target(settings), color="grey", linestyle=":", linewidth=1)
     ax.set_xticks(settings["hosts"])
     ax.set_xlabel("hosts (one rank each)")
     ax.set_ylabel("scaling efficiency, % (it/s on K / on 1 host)")

@@ -18,6 +18,7 @@ with "-" for results saved before these were measured.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -308,6 +309,12 @@ def test_report_prints_where_the_time_goes() -> None:
     # saved before the waits for a core were measured, or where the kernel keeps no schedstat
     assert rows["ddp", "1"] == ["ddp", "1", "0.100", "0.200", "0.000", "0.400", "-", "-",
                                 "20.0%", "-", "-"]  # fmt: skip
+    # at the seed's ratio the target is 95%; where communication is at least compute, 90%
+    assert "forward scales 100.0% at K=2 (target 95%)" in text
+    text = scaling_report.report(dataclasses.replace(run, settings={**settings, "ratio": 1.0}),
+                                 {**harness.machine_info(), "library": {}})  # fmt: skip
+    assert "forward scales 100.0% at K=2 (target 90%)" in text
+    assert "the target here: forward >= 90% and 10 points above ddp" in text
 
 
 def _unready(usage: dict[str, Any]) -> dict[str, Any]:

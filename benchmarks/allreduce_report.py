@@ -157,7 +157,8 @@ def table(run: Run, nprocs: int) -> str:
                 row += [cell, cell]
             else:
                 row += [_fmt_us(r.latency_us), _fmt_gbps(r.busbw_gbps) if nbytes else "-"]
-        for _, ours, kind, lib in ratios:  # (a barrier moves no bytes: its speed, as bw's)
+        for _, ours, kind, lib in ratios:
+            kind = kind if nbytes else "bw"  # (a barrier moves no bytes: its speed, as bw's)
             row.append(_ratio_cell(run.ratios(ours, lib, nprocs, nbytes, kind)))
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

@@ -126,6 +126,18 @@ def test_allreduce_report_pairs_rounds() -> None:
     assert run.ratios("asyncreduce", "mpi-tcp", 2, 1024, "lat") == [2.0, 5.0, 2.0]
     assert "0.50x (0.20-0.50)" in report.table(run, 2)
 
+    # against Gloo, latency over latency: but a barrier's cell is its speed (other / ours)
+    settings = report.Settings([0, 1024], [2], ["asyncreduce", "gloo"], 0.1, 1, 1, None, False)
+    run = report.Run(settings)
+    for lib, barrier, allreduce in (("asyncreduce", 10.0, 20.0), ("gloo", 40.0, 400.0)):
+        for nbytes, latency in ((0, barrier), (1024, allreduce)):
+            run.results.append(
+                report.Result(lib, 2, nbytes, latency, 1.0, "-", latency, [latency], 1, 1)
+            )
+    rows = {line.split()[0]: line.split() for line in report.table(run, 2).splitlines()[3:]}
+    assert rows["barrier"][-2:] == ["4.00x", "4.00x"]  # lat/gloo, bw/gloo: 40 / 10
+    assert rows["1"][-2:] == ["0.05x", "20.00x"]  # 1 KiB: 20 / 400, and 400 / 20
+
 
 def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     """Each part is measured and none can exceed the whole: an engine on TCP is never faster

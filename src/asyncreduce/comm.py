@@ -53,7 +53,6 @@ __all__ = ["Communicator"]
 log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when asked for:
 if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=DEBUG),
     log_ops.setLevel(logging.INFO)  # unless the program set this logger's level first
-_EMPTY = np.empty(0, dtype=np.uint8)
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
 _LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -145,7 +144,7 @@ class Communicator(BlockingCalls):
             if made is not None:
                 made.wait()
             return
-        self._run(self._barrier_plan(), name, 0, timeout)
+        self._run(plans.barrier(), name, 0, timeout)
 
     def _run(self, plan: Plan, name: str | None, priority: int, timeout: float | None) -> Any:
         """``_submit(...).wait()`` for a blocking call that may run on this thread
@@ -198,10 +197,7 @@ class Communicator(BlockingCalls):
 
     def ibarrier(self, *, name: str | None = None, timeout: float | None = None) -> Request[None]:
         """Start a barrier: completes once every rank has entered it."""
-        return self._submit(self._barrier_plan(), name, 0, timeout)
-
-    def _barrier_plan(self) -> Plan:
-        return Plan("barrier", as_buffer(_EMPTY, "barrier"), lambda: None)
+        return self._submit(plans.barrier(), name, 0, timeout)
 
     def ireduce(
         self, x: Any, op: str = "sum", root: int = 0, *, name: str | None = None,

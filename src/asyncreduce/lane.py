@@ -1,14 +1,15 @@
-"""The same-host lane: unnamed small allreduces through shared-memory mailboxes, moved by the
-thread that waits for them.
+"""The same-host lane: unnamed small allreduces (and barriers) through shared-memory
+mailboxes, moved by the thread that waits for them.
 
 Theory of operation. Where every rank is on one host, an unnamed allreduce of at most
-``SLOT_BYTES`` (64 KiB) skips the engine: the posting call copies the contribution into this
-rank's mailbox slot for its sequence number (mailbox.py), and whoever looks next (the thread
-that waits on the request, spinning for a while, or the progress thread) reads every peer's
-slot for that number and, once all are there, combines them in rank order, so every rank
-ends bitwise equal. No frame, no socket, no thread hand-off: an operation costs about what
-its Python does. Every other unnamed operation of the communicator leaves a note in its slot
-instead (``ELSEWHERE``), so the slots keep one numbering.
+``SLOT_BYTES`` (64 KiB) skips the engine, and so does an unnamed barrier (an allreduce of
+nothing: done once every rank published its slot): the posting call copies the contribution
+into this rank's mailbox slot for its sequence number (mailbox.py), and whoever looks next
+(the thread that waits on the request, spinning for a while, or the progress thread) reads
+every peer's slot for that number and, once all are there, combines them in rank order, so
+every rank ends bitwise equal. No frame, no socket, no thread hand-off: an operation costs
+about what its Python does. Every other unnamed operation of the communicator leaves a note in
+its slot instead (``ELSEWHERE``), so the slots keep one numbering.
 
 Every semantic of the engine stays, because the engine keeps all of them:
 - the choice of path is a function of the descriptor, so ranks that agree take the same one;
@@ -74,7 +75,7 @@ def lane_wanted(settings: Settings) -> bool:
 
 
 class LaneOp:
-    """One unnamed small allreduce in the lane (``header``: what its slot says, as the
+    """One unnamed small allreduce (or barrier) in the lane (``header``: what its slot says, as the
     mailbox's words; ``deadline``: monotonic, 0 for none)."""
 
     __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",

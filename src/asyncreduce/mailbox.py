@@ -182,7 +182,8 @@ class Mailbox:
         return state
 
     def _fold(self, seq: int, out: Array, dtype: DType, op: str) -> None:
-        fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
+        if out.nbytes:  # (a barrier's nothing: no numpy call, no error state to set)
+            fold_quietly(dtype, op, self.parts(seq, out.nbytes), out, self.world_size)
 
     def missing(self, seq: int) -> set[int]:
         """The peers that have not published ``seq`` yet."""

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from .algorithms import KINDS, REDUCTION_CODES, Array, Collective, Exchange
-from .buffers import Buffer
+from .buffers import Buffer, as_buffer
 from .transport.frame import Descriptor
 
-__all__ = ["Plan", "allgather", "alltoall", "exchange", "gather", "receive", "reduce_scatter",
-           "scatter", "send"]  # fmt: skip
+__all__ = ["Plan", "allgather", "alltoall", "barrier", "exchange", "gather", "receive",
+           "reduce_scatter", "scatter", "send"]  # fmt: skip
 
 
 @dataclass
@@ -49,6 +49,12 @@ class Plan:
         count = self.buf.flat.size if self.count is None else self.count
         reduce = REDUCTION_CODES[self.op] if self.op else 0
         return Descriptor(KINDS[self.kind], dtype_code, reduce, root, count)
+
+
+def barrier() -> Plan:
+    """A barrier: an operation of nothing, whose result is None. The same plan for every
+    barrier: it has no byte to write and nothing changes it."""
+    return _BARRIER
 
 
 def exchange(
@@ -118,3 +124,6 @@ def receive(rank: int, size: int, buf: Buffer, src: int, tag: int) -> Plan:
     """What ``src`` sends with ``tag``, into ``buf``; the result is the caller's object."""
     return exchange("p2p", rank, size, buf, {}, {src: buf.flat}, lambda: buf.original, src,
                     tag=tag)  # fmt: skip
+
+
+_BARRIER = Plan("barrier", as_buffer(np.empty(0, np.uint8), "barrier"), lambda: None)

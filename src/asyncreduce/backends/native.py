@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import plans
 from ..algorithms import (
     KINDS,
     REDUCIBLE,
@@ -34,7 +35,7 @@ from ..algorithms import (
     Translated,
     build,
 )
-from ..buffers import as_buffer, numpy_dtype
+from ..buffers import numpy_dtype
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -170,8 +171,7 @@ class NativeBackend(EngineBackend):
 
     def _described(self, plan: Plan, label: str) -> tuple[Descriptor, Header]:
         """A lane operation's descriptor and slot header, refused first if the engine refuses
-        posts, and logged. Kept per dtype, reduction and count (a loop posts the same few):
-        building them costs more than a look."""
+        posts, and logged (``_descriptor`` keeps them)."""
         refused = self.engine.refusal(label)
         if refused is not None:
             raise refused
@@ -236,8 +236,6 @@ class DirectCalls:
         empty = numpy_dtype(np.dtype(np.uint8))
         assert empty is not None
         self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
-        nothing = as_buffer(np.empty(0, np.uint8), "barrier")  # (shared: no byte to write)
-        self._lane_barrier = Plan("barrier", nothing, _nothing)
 
     def prepared(self, x: Array, op: str) -> tuple[DType, Descriptor] | None:
         """``x``'s element type and the operation's descriptor, if this runs it: a small,
@@ -280,7 +278,7 @@ class DirectCalls:
         it: ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
         if backend.lane is not None and not key[0]:
-            return backend.run(self._lane_barrier, key, label, 0, None, runner)
+            return backend.run(plans.barrier(), key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)

@@ -145,7 +145,8 @@ class Transport(ABC):
         first step's header; ``with_step``) and its order of operands, each only once the one
         before ended well (``COMBINED``; an empty message's frame taken where nothing
         combines): how many did, and what the next one returned (``COMBINED`` after them
-        all). A transport that can makes them all in one call into C."""
+        all). A transport that can makes them all in one call into C. Only for ``quiet``
+        peers, as ``swap``: the caller looked, and nothing here looks again."""
         for done, (peer, step, incoming_first) in enumerate(steps):
             step_head = with_step(head, step) if done else head
             view = self.swap(peer, step_head, payload, priority, seconds, combining,

@@ -95,7 +95,7 @@ class Adopted:
 def run_here(lane: Lane, op: LaneOp) -> tuple[Request[Any] | None, Adopted]:
     """``Lane.run`` as the backend calls it for a blocking allreduce."""
     adopt = Adopted(op)
-    return lane.run(op.seq, op.header, op.buf, op.op, op.timeout, adopt), adopt
+    return lane.run(op.seq, op.header, op.buf.flat, op.buf.dtype, op.op, op.timeout, adopt), adopt
 
 
 def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .algorithms import Array
+from .algorithms import Array, DType
 from .buffers import Buffer
 from .envvars import env_number
 from .errors import ClosedError
@@ -143,12 +143,13 @@ class Lane:
             self._post(op)
 
     def run(
-        self, seq: int, head: Header, buf: Buffer, op: str, timeout: float | None,
-        adopt: Callable[[], LaneOp],
+        self, seq: int, head: Header, flat: Array, dtype: DType, op: str,
+        timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
-        """Run operation ``seq`` (``head``: its header) on the calling thread, which waits for
-        it (a blocking allreduce), with no request, if nothing else is in the lane: publish,
-        wait for the peers (spinning for up to ``_WAITER_SPIN``) and fold; None once done.
+        """Run operation ``seq`` (``head``: its header; ``flat``: its buffer, of ``dtype``) on
+        the calling thread, which waits for it (a blocking allreduce), with no request, if
+        nothing else is in the lane: publish, wait for the peers (spinning for up to
+        ``_WAITER_SPIN``) and fold; None once done.
         Anything else makes it an ordinary operation, ``adopt()`` (with its request), whose
         request is returned for the caller to wait on: others in the lane (it is posted
         behind them), a peer that runs it elsewhere or disagrees (the engine decides), a peer
@@ -161,7 +162,7 @@ class Lane:
                 made = adopt()
                 self._post(made)
                 return made.request
-            self._publish(seq, head, buf.flat)
+            self._publish(seq, head, flat)
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
         end = 0.0  # (set after the first look: most operations need no clock)
         while True:
@@ -172,7 +173,7 @@ class Lane:
                     made = adopt()
                     made.request.set_exception(self._closed_with(made))
                     return made.request
-                state = mailbox.collect(seq, head, buf.flat, buf.dtype, op)
+                state = mailbox.collect(seq, head, flat, dtype, op)
                 if state == AGREED:
                     self._done_with(seq)
                     self.completed += 1

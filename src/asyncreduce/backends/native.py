@@ -35,7 +35,7 @@ from ..algorithms import (
     Translated,
     build,
 )
-from ..buffers import numpy_dtype
+from ..buffers import Buffer, as_buffer, numpy_dtype
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
@@ -55,6 +55,7 @@ __all__ = ["DirectCalls", "LocalBackend", "NativeBackend"]
 
 _DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread,
 _DIRECT_ALGORITHMS = (RecursiveDoubling, Barrier)  # built as these (a group's are wrapped)
+Prepared = tuple[DType, Descriptor, Header]  # DirectCalls.prepared: type, descriptor, slot header
 
 
 def built(
@@ -143,13 +144,10 @@ class NativeBackend(EngineBackend):
             return op.request
         desc, head = self._described(plan, label)
         posted = time.monotonic() if timeout is not None else 0.0
-
-        def adopt() -> LaneOp:  # (only where it cannot finish alone: most never need one)
-            made = self._lane_op(plan, key, label, timeout, desc, posted)
-            made.request = Request(label, runner)
-            return made
-
-        return lane.run(key[1], head, plan.buf, plan.op or "sum", timeout, adopt)
+        buf, reduce_op = plan.buf, plan.op or "sum"
+        adopt = _lane_adopter(key, label, desc, lambda: buf, reduce_op, plan.result, timeout,
+                              posted, runner)  # fmt: skip
+        return lane.run(key[1], head, buf.flat, buf.dtype, reduce_op, timeout, adopt)
 
     def _small_allreduce(self, plan: Plan) -> tuple[Collective, Descriptor] | None:
         """What ``built`` makes of a small allreduce (recursive doubling: no shared memory
@@ -164,10 +162,9 @@ class NativeBackend(EngineBackend):
         return algo, self._descriptor(plan)[0]
 
     def _lane_op(
-        self, plan: Plan, key: Key, label: str, timeout: float | None, desc: Descriptor,
-        posted: float = 0.0,
-    ) -> LaneOp:  # fmt: skip
-        return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout, posted)
+        self, plan: Plan, key: Key, label: str, timeout: float | None, desc: Descriptor
+    ) -> LaneOp:
+        return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
     def _described(self, plan: Plan, label: str) -> tuple[Descriptor, Header]:
         """A lane operation's descriptor and slot header, refused first if the engine refuses
@@ -232,17 +229,17 @@ class DirectCalls:
 
     def __init__(self, backend: NativeBackend) -> None:
         self._backend = backend
-        self._known: dict[tuple[np.dtype[Any], str, int], tuple[DType, Descriptor] | None] = {}
+        self._known: dict[tuple[np.dtype[Any], str, int], Prepared | None] = {}
         empty = numpy_dtype(np.dtype(np.uint8))
         assert empty is not None
         self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
 
-    def prepared(self, x: Array, op: str) -> tuple[DType, Descriptor] | None:
-        """``x``'s element type and the operation's descriptor, if this runs it: a small,
-        contiguous, writable array, a reduction its type takes, no same-host lane (it runs
-        small allreduces itself). Kept per dtype, reduction and count (a loop posts the same)."""
+    def prepared(self, x: Array, op: str) -> Prepared | None:
+        """``x``'s element type, the operation's descriptor and lane slot header, if this runs
+        it: a small, contiguous, writable array and a reduction its type takes. Kept per
+        dtype, reduction and count (a loop posts the same)."""
         flags = x.flags
-        if not (flags.c_contiguous and flags.writeable) or self._backend.lane is not None:
+        if not (flags.c_contiguous and flags.writeable):
             return None
         same = (x.dtype, op, x.size)
         found = self._known.get(same, False)
@@ -253,21 +250,32 @@ class DirectCalls:
             self._known[same] = found
         return found  # type: ignore[return-value]
 
-    def _learn(self, x: Array, op: str) -> tuple[DType, Descriptor] | None:
+    def _learn(self, x: Array, op: str) -> Prepared | None:
         dtype = numpy_dtype(x.dtype)
         if dtype is None or (dtype.code, op) not in REDUCIBLE or x.nbytes > SMALL_ALLREDUCE_BYTES:
             return None
-        return dtype, Descriptor(KINDS["allreduce"], dtype.code, REDUCTION_CODES[op], 0, x.size)
+        desc = Descriptor(KINDS["allreduce"], dtype.code, REDUCTION_CODES[op], 0, x.size)
+        return dtype, desc, header(HERE, desc)
 
     def allreduce(
-        self, x: Array, prepared: tuple[DType, Descriptor], op: str, key: Key, label: str,
-        priority: int, runner: CallbackRunner,
+        self, x: Array, prepared: Prepared, op: str, key: Key, label: str, priority: int,
+        runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
-        """``Engine.run`` of the allreduce of ``x`` (``prepared``), numbered ``key``: None,
+        """``Engine.run`` of the allreduce of ``x`` (``prepared``), numbered ``key``, or
+        ``Lane.run`` where the lane takes it (unnamed; ``NativeBackend.run``'s checks): None,
         done in place; else its request."""
         backend = self._backend
-        dtype, desc = prepared
+        dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
+        lane = backend.lane
+        if lane is not None and not key[0]:
+            refused = backend.engine.refusal(label)
+            if refused is not None:
+                raise refused
+            log_post(backend.rank, label, desc)
+            in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
+                                    None, 0.0, runner)  # fmt: skip
+            return lane.run(key[1], head, flat, dtype, op, None, in_lane)
         algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
         log_post(backend.rank, label, desc)
         adopt = _adopter(key, label, desc, algo, lambda: x, priority, None, runner)
@@ -284,6 +292,21 @@ class DirectCalls:
         log_post(backend.rank, label, desc)
         adopt = _adopter(key, label, desc, algo, _nothing, 0, None, runner)
         return backend.engine.run(key, label, desc, algo, 0, None, adopt)
+
+
+def _lane_adopter(
+    key: Key, label: str, desc: Descriptor, buffer: Callable[[], Buffer], op: str,
+    result: Callable[[], Any], timeout: float | None, posted: float, runner: CallbackRunner,
+) -> Callable[[], LaneOp]:  # fmt: skip
+    """How a blocking call makes its ``LaneOp`` (with a request whose callbacks ``runner``
+    runs) where ``Lane.run`` cannot finish it alone: only then, since most never need one."""
+
+    def adopt() -> LaneOp:
+        made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
+        made.request = Request(label, runner)
+        return made
+
+    return adopt
 
 
 def _nothing() -> None:

@@ -162,6 +162,17 @@ def test_the_wait_gives_up_the_gil_and_gives_up_after_its_time() -> None:
 
 
 @BUILT
+def test_a_long_wait_sleeps_between_looks() -> None:
+    """After a short spin the wait sleeps between looks, so that a peer that is not running
+    (four ranks on two cores) gets the core: most of a long wait costs no CPU."""
+    a, _ = mailboxes(NativeMailbox, regions(2))
+    wall, cpu = time.monotonic(), time.thread_time()
+    assert a.wait(0, 0.3) is False
+    wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+    assert wall >= 0.29 and cpu < 0.5 * wall, (wall, cpu)
+
+
+@BUILT
 def test_a_released_mailbox_refuses_every_call_but_a_wait() -> None:
     """A waiter that lost the race with the lane's close looks again (and finds its request
     failed) instead of raising ValueError out of ``result()``."""

@@ -29,7 +29,7 @@ from cpython.buffer cimport (
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 
 
 cdef extern from *:
@@ -54,6 +54,15 @@ cdef extern from "_fold.h":
 
 cdef enum:
     _HEADER_BYTES = 48  # state and the five descriptor fields, after the stamp
+
+
+cdef enum:
+    _NAP_NS = 20000  # a sleep between looks, once a wait went on for _SPIN_BEFORE_NAPS
+
+
+cdef double _SPIN_BEFORE_NAPS = 200e-6  # yield the core this long; then sleep between looks:
+# a peer that is not running (four ranks on two cores) gets the core, where a yield alone
+# (CFS: the yielding spinner may well be picked again) left it waiting for a time slice
 
 
 cdef inline double _now() noexcept nogil:
@@ -192,7 +201,8 @@ cdef class Core:
 
     def wait(self, int64_t seq, double seconds):
         """Until every peer has stamped ``seq`` (True) or ``seconds`` have passed (False),
-        yielding the core between looks, without the GIL; True once released, before it or
+        yielding the core between looks (sleeping between them after the first
+        ``_SPIN_BEFORE_NAPS``), without the GIL; True once released, before it or
         while it waits (the lane closed: its waiter looks again and finds its request
         failed)."""
         cdef Py_ssize_t base = self._base(seq)
@@ -203,12 +213,20 @@ cdef class Core:
         if regions is None:
             return True  # released (the lane closed): nothing to wait for, look again
         self._check(seq)
+        cdef double now, naps_from
+        cdef timespec nap
+        nap.tv_sec, nap.tv_nsec = 0, _NAP_NS
         with nogil:
-            end = _now() + seconds
+            now = _now()
+            end, naps_from = now + seconds, now + _SPIN_BEFORE_NAPS
             there = self._stamped(base, stamp)
-            while not there and not ar_load_acquire(&self._released) and _now() < end:
-                sched_yield()
+            while not there and not ar_load_acquire(&self._released) and now < end:
+                if now < naps_from:
+                    sched_yield()
+                else:
+                    nanosleep(&nap, NULL)
                 there = self._stamped(base, stamp)
+                now = _now()
         return there or self._released != 0
 
     cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:

@@ -88,7 +88,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, Header]] = {}  # below
+        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, Header]] = {}  # _descriptor
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -167,14 +167,18 @@ class NativeBackend(EngineBackend):
         return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
     def _described(self, plan: Plan, label: str) -> tuple[Descriptor, Header]:
-        """A lane operation's descriptor and slot header, refused first if the engine refuses
-        posts, and logged (``_descriptor`` keeps them)."""
+        """A lane operation's descriptor and slot header (``_descriptor`` keeps them),
+        ``admitted``."""
+        found = self._descriptor(plan)
+        self.admitted(label, found[0])
+        return found
+
+    def admitted(self, label: str, desc: Descriptor) -> None:
+        """A lane operation refused (raised) if the engine refuses posts, else logged."""
         refused = self.engine.refusal(label)
         if refused is not None:
             raise refused
-        found = self._descriptor(plan)
-        log_post(self.rank, label, found[0])
-        return found
+        log_post(self.rank, label, desc)
 
     def _descriptor(self, plan: Plan) -> tuple[Descriptor, Header]:
         """A small allreduce's (or a barrier's) descriptor and lane slot header, kept per
@@ -269,10 +273,7 @@ class DirectCalls:
         flat = x if x.ndim == 1 else x.reshape(-1)
         lane = backend.lane
         if lane is not None and not key[0]:
-            refused = backend.engine.refusal(label)
-            if refused is not None:
-                raise refused
-            log_post(backend.rank, label, desc)
+            backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
                                     None, 0.0, runner)  # fmt: skip
             return lane.run(key[1], head, flat, dtype, op, None, in_lane)

@@ -1,10 +1,12 @@
 """Tensors on a device: staged through host memory by a staging thread (asyncreduce.torch.staging).
 
 Two parts. The staging pipeline (wait for the producer's event, copy to the host, allreduce, copy
-back, complete) runs on every machine with ``HostDevice``, a CPU stand-in for a GPU registered
-as the adapter of "cpu" tensors inside the ranks: the communication is real (2 processes), only
-the device is the CPU. Its events are gates the test opens, so the test can hold a "kernel" in
-flight and see that nothing is copied before it ends. The CUDA tests run the same code on a
+back, complete) runs on every machine with ``standin.HostDevice``, a CPU stand-in for a GPU
+registered as the adapter of "cpu" tensors inside the ranks: the communication is real (2
+processes), only the device is the CPU. Its events are gates the test opens, so the test can
+hold a "kernel" in flight and see that nothing is copied before it ends; it counts every copy
+and synchronization, and ``standin.DeviceReads`` every transfer made around it, so the counts
+per step hold on every machine. The CUDA tests run the same code on a
 real GPU (2 ranks, on one GPU if there is only one) and skip without one; scripts/gpu_check.sh
 runs them.
 """
@@ -29,6 +31,8 @@ from torch import nn  # noqa: E402
 import asyncreduce as ar  # noqa: E402
 import asyncreduce.torch as art  # noqa: E402
 from asyncreduce.torch import staging  # noqa: E402
+from asyncreduce.torch.device import CudaDevice  # noqa: E402
+from asyncreduce.torch.standin import DeviceReads, HostDevice, standing_in  # noqa: E402
 from spmd import run_ranks  # noqa: E402
 from test_torch_dp import MLP  # noqa: E402  (the same small model as the CPU tests)
 
@@ -58,22 +62,40 @@ def sgd(params: Any) -> Any:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train(comm: ar.Communicator, mode: str, device: Any) -> dict[str, Any]:
-    """One rank's side: its shard of every step on ``device``; final parameters and buckets."""
+def train(comm: ar.Communicator, mode: str, device: Any, host: HostDevice | None = None,
+          module: nn.Module | None = None) -> dict[str, Any]:
+    """One rank's side: its shard of every step on ``device``; final parameters and buckets.
+    With ``host`` (the stand-in), also what each step cost: copies each way, synchronizations
+    and transfers on this thread. On CUDA the steps run under sync debug mode "error"."""
     rank, world = comm.rank, comm.world_size
     torch.manual_seed(SEED + 31 * rank)  # only rank 0's values survive construction
-    module = MLP().double().to(device)
+    module = (module if module is not None else MLP()).double().to(device)
     dp = art.DataParallel(module, comm, optimizer=sgd, mode=mode)
+    steps = []
+    start = host.counts() if host is not None else None
     for t in range(STEPS):
         x, y = batch(world, t)
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        F.mse_loss(dp(x[rows].to(device)), y[rows].to(device)).backward()
-        dp.step()
+        x, y = x[rows].to(device), y[rows].to(device)
+        before = host.counts() if host is not None else None
+        with _no_host_syncs(device, host) as reads:
+            F.mse_loss(dp(x), y).backward()
+            dp.step()
+        if host is not None:
+            steps.append(_step_costs(host, before, reads))
     dp.synchronize()
     buckets = dp._buckets
+    total = _step_costs(host, start, None) if host is not None else None
+    module.eval()
+    with torch.no_grad():
+        dp(x)  # a forward after a training one takes rank 0's buffers, and changes none
     return {
+        "total": total,
         "final": torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu().numpy(),
+        "buffers": [b.detach().cpu().numpy().copy() for b in module.buffers()],
         "staged": all(b.stager is not None for b in buckets),
+        "buckets": len(buckets),
+        "steps": steps,
         "twins": all(
             len(b.hosts) == len(b.buffers)
             and all(h.data_ptr() != f.data_ptr() for h, f in zip(b.hosts, b.buffers, strict=True))
@@ -81,6 +103,32 @@ def train(comm: ar.Communicator, mode: str, device: Any) -> dict[str, Any]:
         ),
         "pinned": all(h.is_pinned() for b in buckets for h in b.hosts),
     }
+
+
+@contextlib.contextmanager
+def _no_host_syncs(device: Any, host: HostDevice | None) -> Iterator[DeviceReads | None]:
+    """The stand-in's transfer count on this thread, or CUDA's sync debug mode "error"."""
+    if host is not None:
+        with DeviceReads(host) as reads:
+            yield reads
+    elif torch.device(device).type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        yield None
+
+
+def _step_costs(host: HostDevice, before: Any, reads: DeviceReads | None) -> dict[str, Any]:
+    """What one step cost on the stand-in: copies each way, synchronizations by thread kind."""
+    made = host.counts() - before
+    by = {what: sum(n for (w, _), n in made.items() if w == what)
+          for what in ("to_host", "to_device")}  # fmt: skip
+    main_syncs = sum(n for (w, who), n in made.items()
+                     if w == "synchronize" and not who.startswith("asyncreduce-staging"))
+    return {**by, "main_syncs": main_syncs, "reads": list(reads.found) if reads else []}
 
 
 @functools.cache
@@ -120,53 +168,6 @@ def assert_matches(final: Any, mode: str, world: int, rank: int) -> None:
 # ---- the CPU stand-in for a device -------------------------------------------------------------
 
 
-class HostDevice:
-    """A ``staging.Device`` whose "device" is the CPU. Its copies are done when they return, so a
-    stream is the staging thread itself and waiting on a stream is waiting in that thread.
-    Events are ``threading.Event``s, already set, except the producer's while ``gate`` is set:
-    then the producer's "kernel" is in flight until the test opens the gate. Every call is
-    logged with the thread that made it."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.gate: threading.Event | None = None
-        self.log: list[tuple[str, str]] = []
-
-    def _note(self, what: str) -> None:
-        self.log.append((what, threading.current_thread().name))
-
-    def enter(self) -> None:
-        self._note("enter")
-
-    def new_stream(self) -> Any:
-        self._note("new_stream")
-        return "stream"
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        self._note(f"use {stream}")
-        return contextlib.nullcontext()
-
-    def record(self, stream: Any | None) -> Any:
-        self._note(f"record {stream or 'current'}")
-        if stream is None and self.gate is not None:
-            return self.gate
-        event = threading.Event()
-        event.set()
-        return event
-
-    def wait(self, event: Any, stream: Any | None) -> None:
-        self._note(f"wait {stream or 'current'}")
-        if stream is not None:
-            assert event.wait(30), "the producer's event never happened"
-
-    def synchronize(self, event: Any) -> None:
-        self._note("synchronize")
-        assert event.wait(30)
-
-    def host_buffer(self, like: Any) -> Any:
-        return torch.full(like.shape, float("nan"), dtype=like.dtype)
-
-
 def body_cpu_staged(comm: ar.Communicator) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank = comm.rank
@@ -177,14 +178,12 @@ def body_cpu_staged(comm: ar.Communicator) -> dict[str, Any]:
     got = art.iallreduce(comm, x, name="plain").wait(timeout=20)
     out["plain"] = (got is x, x.tolist(), staging.stager_for(comm, x.device) is None)
 
-    device = HostDevice(torch.device("cpu"))
-    staging.STAGED["cpu"] = lambda d: device
-    try:
+    with standing_in() as device:
         # a gradient still being "computed" when it is posted: nothing moves until it is done
         stager = staging.stager_for(comm, torch.device("cpu"))
         assert stager is not None
         grad = torch.zeros(6, dtype=torch.float64)
-        host = stager.host_buffer(grad)
+        host = stager.host_buffer(6, torch.float64)
         device.gate = threading.Event()
         request = stager.iallreduce(grad, host, name="gated")
         time.sleep(0.3)
@@ -202,12 +201,58 @@ def body_cpu_staged(comm: ar.Communicator) -> dict[str, Any]:
             unnamed = str(exc)
         out["unnamed"] = unnamed
 
+        out["chunked"] = chunked(comm, stager, device)
         for mode in MODES:
-            out[mode] = train(comm, mode, "cpu")
-        out["threads"] = sorted({who for what, who in device.log if what.startswith("use")})
-    finally:
-        del staging.STAGED["cpu"]
+            out[mode] = train(comm, mode, "cpu", device)
+        out["bn"] = train(comm, "backward", "cpu", device, module=BatchNormNet())
+        out["threads"] = sorted({who for what, who in device.log if what.startswith("to_")})
     return out
+
+
+class BatchNormNet(nn.Module):
+    """Buffers of two dtypes (BatchNorm's running statistics and its int64 step count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.bn2 = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.out(self.bn2(self.bn(self.fc(x))))
+
+
+def chunked(comm: ar.Communicator, stager: Any, device: HostDevice) -> dict[str, Any]:
+    """An allreduce of 2.5 chunks through a longer twin: every chunk's copies and collective."""
+    n = staging.CHUNK_BYTES // 8 * 5 // 2
+    x = torch.arange(n, dtype=torch.float64) * (comm.rank + 1)
+    host = stager.host_buffer(n + 3, torch.float64)
+    host[n:] = torch.tensor([1.0, 2.0, comm.rank + 0.0], dtype=torch.float64)  # the tail
+    before = device.counts()
+    stager.iallreduce(x, host, name="chunked").wait(timeout=60)
+    made = device.counts() - before
+    want = torch.arange(n, dtype=torch.float64) * 3
+    return {
+        "exact": bool(torch.equal(x, want)),
+        "tail": host[n:].tolist(),
+        "to_host": sum(v for (w, _), v in made.items() if w == "to_host"),
+        "to_device": sum(v for (w, _), v in made.items() if w == "to_device"),
+        "pooled": pooled(comm, device),
+    }
+
+
+def pooled(comm: ar.Communicator, device: HostDevice) -> tuple[list[bool], int]:
+    """The public iallreduce, three times: right each time, and one host twin made for all."""
+    right = []
+    before = device.counts()
+    for i in range(3):
+        x = torch.full((1000,), comm.rank + 1.0, dtype=torch.float32)
+        art.iallreduce(comm, x, name=f"pooled{i}").wait(timeout=20)
+        right.append(bool((x == 3.0).all()))
+        time.sleep(0.05)  # (the twin goes back on the callback thread, just after the result)
+    made = device.counts() - before
+    return right, sum(v for (w, _), v in made.items() if w == "host_buffer")
 
 
 _RESULTS: dict[str, Any] = {}
@@ -251,28 +296,80 @@ def test_nothing_is_copied_before_the_producers_event() -> None:
 @pytest.mark.timeout(120)
 def test_staged_allreduce_goes_through_the_host_buffer_in_order() -> None:
     want = [3.0 * i for i in range(6)]  # arange * 1 + arange * 2
+    out_thread, back_thread = "asyncreduce-staging-cpu-out", "asyncreduce-staging-cpu-back"
     for rank, out in cpu_results().items():
         same, grad, host, log = out["gated"]
         assert same, f"rank {rank}: the result is not the tensor itself"
         assert grad == want, f"rank {rank}: tensor {grad}"
         assert host == want, f"rank {rank}: the reduction did not happen in the host buffer {host}"
-        staging_thread = "asyncreduce-staging-cpu"
-        entered = [who for what, who in log if what == "enter"]  # again after an idle spell
-        assert entered and set(entered) == {staging_thread}, f"rank {rank}: {log}"
-        log = [entry for i, entry in enumerate(log) if entry[0] != "enter" or i == log.index(entry)]
         assert log == [
+            ("host_buffer", "MainThread"),  # the twin, made once by the caller
             ("record current", "MainThread"),  # the producer's event, on its stream
-            ("enter", staging_thread),
-            ("new_stream", staging_thread),
-            ("wait stream", staging_thread),  # the staging stream waits for the producer
-            ("use stream", staging_thread),  # copy to the host
-            ("record stream", staging_thread),
-            ("synchronize", staging_thread),
-            ("use stream", staging_thread),  # after the allreduce: copy back
-            ("record stream", staging_thread),
-            ("synchronize", staging_thread),
+            ("enter", out_thread),
+            ("new_stream", out_thread),
+            ("wait stream", out_thread),  # the out stream waits for the producer
+            ("to_host", out_thread),
+            ("record stream", out_thread),
+            ("synchronize", out_thread),  # the copy landed: post the host allreduce
+            ("enter", back_thread),
+            ("new_stream", back_thread),
+            ("to_device", back_thread),  # after the allreduce: copy back
+            ("record stream", back_thread),
+            ("synchronize", back_thread),
             ("wait current", "MainThread"),  # wait(): the consumer's stream after the copy back
         ], f"rank {rank}: {log}"
+
+
+@pytest.mark.timeout(120)
+def test_large_tensor_is_staged_in_chunks_with_its_twins_tail() -> None:
+    for rank, out in cpu_results().items():
+        got = out["chunked"]
+        assert got["exact"], f"rank {rank}: the chunked allreduce is wrong"
+        assert got["tail"] == [2.0, 4.0, 1.0], f"rank {rank}: the twin's tail {got['tail']}"
+        assert got["to_host"] == got["to_device"] == 3, f"rank {rank}: {got}"  # 2.5 chunks
+
+
+@pytest.mark.timeout(120)
+def test_public_iallreduce_reuses_one_pinned_twin() -> None:
+    for rank, out in cpu_results().items():
+        right, made = out["chunked"]["pooled"]
+        assert right == [True] * 3, f"rank {rank}: {right}"
+        assert made == 1, f"rank {rank}: {made} host twins made for three calls of one size"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_copy_once_each_way_per_bucket_and_never_sync_the_training_thread(
+    mode: str,
+) -> None:
+    for rank, out in cpu_results().items():
+        got = out[mode]
+        buckets, steps = got["buckets"], got["steps"]
+        assert len(steps) == STEPS
+        for t, step in enumerate(steps):
+            assert step["main_syncs"] == 0, f"rank {rank}, step {t}: {step}"
+            assert step["reads"] == [], f"rank {rank}, step {t}: transfers outside the device"
+            # a step's copies back may land in the next step's time, never more than that
+            assert step["to_host"] <= 2 * buckets and step["to_device"] <= 2 * buckets, step
+        # every bucket out and back once per step, all told (the last ones by synchronize)
+        total = got["total"]
+        assert total["to_host"] == total["to_device"] == buckets * STEPS, f"rank {rank}: {total}"
+        assert total["main_syncs"] == 0, f"rank {rank}: {total}"
+
+
+@pytest.mark.timeout(120)
+def test_buffers_travel_as_one_flat_tensor_per_dtype() -> None:
+    results = cpu_results()
+    for rank, out in results.items():
+        got = out["bn"]
+        for t, step in enumerate(got["steps"]):
+            assert step["main_syncs"] == 0 and step["reads"] == [], (rank, t, step)
+            # the bucket, plus on rank 0 (the root) the buffers' two dtypes out, elsewhere back
+            extra_out = 2 if rank == 0 else 0
+            assert step["to_host"] == got["buckets"] + extra_out, (rank, t, step)
+            assert step["to_device"] <= got["buckets"] + 2 - extra_out, (rank, t, step)
+    for mine, theirs in zip(results[0]["bn"]["buffers"], results[1]["bn"]["buffers"], strict=True):
+        assert mine.tobytes() == theirs.tobytes(), "a buffer differs between the ranks"
 
 
 @pytest.mark.timeout(120)
@@ -291,7 +388,9 @@ def test_data_parallel_through_staging_matches_single_process(mode: str) -> None
         assert_matches(got["final"], mode, 2, rank)
     assert results[0][mode]["final"].tobytes() == results[1][mode]["final"].tobytes()
     for rank, out in results.items():
-        assert out["threads"] == ["asyncreduce-staging-cpu"], f"rank {rank}: {out['threads']}"
+        assert out["threads"] == ["asyncreduce-staging-cpu-back", "asyncreduce-staging-cpu-out"], (
+            f"rank {rank}: {out['threads']}"
+        )
 
 
 # ---- clear errors, in one process ---------------------------------------------------------------
@@ -335,27 +434,24 @@ def test_buckets_hold_one_device_each() -> None:
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
-class ProbeCuda(staging.CudaDevice):
-    """The CUDA adapter, noting what the staging thread sees when it copies."""
+class ProbeCuda(CudaDevice):
+    """The CUDA adapter, noting what a staging thread sees when it copies."""
 
     seen: list[tuple[str, int, bool]] = []
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        @contextlib.contextmanager
-        def probed() -> Iterator[None]:
-            with staging.CudaDevice.use(self, stream):
-                current = torch.cuda.current_stream(self.device)
-                default = torch.cuda.default_stream(self.device)
-                ProbeCuda.seen.append(
-                    (
-                        threading.current_thread().name,
-                        torch.cuda.current_device(),
-                        current != default,
-                    )
-                )
-                yield
+    def to_host(self, host: Any, source: Any, stream: Any) -> None:
+        self._probe(stream)
+        super().to_host(host, source, stream)
 
-        return probed()
+    def to_device(self, target: Any, host: Any, stream: Any) -> None:
+        self._probe(stream)
+        super().to_device(target, host, stream)
+
+    def _probe(self, stream: Any) -> None:
+        default = torch.cuda.default_stream(self.device)
+        ProbeCuda.seen.append(
+            (threading.current_thread().name, torch.cuda.current_device(), stream != default)
+        )
 
 
 def body_cuda(comm: ar.Communicator) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """Buckets: parameters whose gradients travel together in one flat buffer.
 
 Theory of operation. A bucket's buffer holds its parameters' gradients one after another,
-followed by one "used" flag per parameter. ``pack`` fills it from ``p.grad`` (zeros and flag 0
-where a rank has no gradient), the allreduce sums it over ranks, and ``unpack`` divides the
-gradients by the world size in place and hands out views of them: ``None`` where the flags
-add to 0 (no rank had a gradient, so the optimizer leaves that parameter alone, as in
-single-process training), the average otherwise (ranks without one contributed zeros).
+followed by one "used" flag per parameter (for a staged bucket the flags are written and read
+in the host twin's tail only, so no scalar ever crosses between host and device). ``pack``
+fills it from ``p.grad`` (zeros and flag 0 where a rank has no gradient), the allreduce sums
+it over ranks, and ``unpack`` divides the gradients by the world size in place and hands out
+views of them: ``None`` where the flags add to 0 (no rank had a gradient, so the optimizer
+leaves that parameter alone, as in single-process training), the average otherwise (ranks
+without one contributed zeros).
 
 Grouping: one bucket per module that owns trainable parameters directly (``layer_groups``,
 forward mode, whose unit of overlap is the layer), or runs of parameters in reverse
@@ -60,10 +62,22 @@ class Bucket:
     def host(self, generation: int) -> torch.Tensor:
         return self.hosts[generation % len(self.hosts)]
 
-    def pack(self, flat: torch.Tensor) -> None:
-        """Gradients and used-flags into ``flat``; remember what was sent (see ``changed``)."""
-        offset, flags = 0, flat.numel() - len(self.params)
+    @property
+    def numel(self) -> int:
+        """Elements of the gradients (the used-flags follow them)."""
+        return sum(p.numel() for p in self.params)
+
+    def flags(self, generation: int) -> torch.Tensor:
+        """Where the used-flags travel: the host twin's tail (staged), else the buffer's."""
+        whole = self.host(generation) if self.stager is not None else self.flat(generation)
+        return whole[self.numel :]
+
+    def pack(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
+        """Gradients into ``flat`` and used-flags into ``flags`` (on the host where staged:
+        no scalar crosses to the device); remember what was sent (see ``changed``)."""
+        offset = 0
         sent: list[tuple[Any, int, tuple[float, float]]] = []
+        unused: list[int] = []
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 piece = flat[offset : offset + p.numel()]
@@ -71,13 +85,21 @@ class Bucket:
                 if grad is None:
                     piece.zero_()
                     sent.append((None, -1, (0.0, 0.0)))
+                    unused.append(i)
                 else:
                     if grad.data_ptr() != piece.data_ptr():  # a view of this very piece: as is
                         piece.copy_(grad.reshape(-1))
-                    sent.append((weakref.ref(grad), grad._version, _fingerprint(grad)))
-                flat[flags + i] = 0.0 if grad is None else 1.0
+                    sent.append((weakref.ref(grad), grad._version, self._fingerprint(grad)))
                 offset += p.numel()
+            flags.fill_(1.0)
+            for i in unused:
+                flags[i] = 0.0
         self.sent = sent
+
+    def _fingerprint(self, grad: torch.Tensor) -> tuple[float, float]:
+        """``_fingerprint`` of an unstaged gradient; nothing for a staged one (reading a device
+        tensor on the host would synchronize the training thread with the device)."""
+        return _fingerprint(grad) if self.stager is None else (0.0, 0.0)
 
     def changed(self) -> nn.Parameter | None:
         """The first parameter whose ``.grad`` was replaced or modified since it was packed:
@@ -92,7 +114,7 @@ class Bucket:
                 ref() is not grad
                 or grad is None
                 or grad._version != version
-                or _fingerprint(grad) != print_  # last: the costliest test
+                or self._fingerprint(grad) != print_  # last: the costliest test
             ):
                 return p
         return None
@@ -109,9 +131,11 @@ class Update:
         flat: torch.Tensor | None,
         grads: list[torch.Tensor | None] | None = None,
         hyper: Hyper | None = None,
+        flags: torch.Tensor | None = None,
     ) -> None:
         self.request = request
         self.flat = flat
+        self.flags = flags  # the summed used-flags, on the host
         self.grads = grads
         self.hyper = hyper
 
@@ -120,17 +144,15 @@ class Update:
         ``wait`` first where waiting is timed."""
         if self.grads is None:
             assert self.request is not None and self.flat is not None
+            assert self.flags is not None
             self.request.wait()  # staged: also orders this thread's stream after the copy back
-            self.grads = unpack(bucket.params, self.flat, world)
+            self.grads = unpack(bucket.params, self.flat, self.flags, world)
         return self.grads
 
 
 def _fingerprint(grad: torch.Tensor) -> tuple[float, float]:
-    """A position-weighted sum and the sum of squares of 64 evenly spaced elements (CPU
-    gradients; nothing elsewhere: reading a device tensor would wait for the device). A plain
+    """A position-weighted sum and the sum of squares of 64 evenly spaced elements. A plain
     sum would miss a scaled gradient whose elements add to zero, as a softmax bias's do."""
-    if grad.device.type != "cpu":
-        return (0.0, 0.0)
     flat = grad.detach().reshape(-1)
     sample = flat[:: max(1, flat.numel() // 64)].double()
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64)
@@ -138,17 +160,17 @@ def _fingerprint(grad: torch.Tensor) -> tuple[float, float]:
 
 
 def unpack(
-    params: list[nn.Parameter], flat: torch.Tensor, world: int
+    params: list[nn.Parameter], flat: torch.Tensor, flags: torch.Tensor, world: int
 ) -> list[torch.Tensor | None]:
     """The average of each parameter's gradient in ``flat`` (the sum), or None if no rank had
-    one; divided in place, so the results are views of ``flat``."""
-    flags = flat.numel() - len(params)
-    used = flat[flags:].tolist()
+    one (its summed flag in ``flags``, on the host, is 0); divided in place, so the results are
+    views of ``flat``."""
+    used = flags.tolist()
     grads: list[torch.Tensor | None] = []
     offset = 0
     with torch.no_grad():
         if world > 1:
-            flat[:flags].div_(world)  # the average, in place: one pass, no copy
+            flat[: sum(p.numel() for p in params)].div_(world)  # the average, in place
         for p, users in zip(params, used, strict=True):
             grads.append(None if users == 0.0 else flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
@@ -192,25 +214,28 @@ def build_buckets(
     comm: Communicator, prefix: str, groups: list[Group], priorities: list[int], copies: int
 ) -> list[Bucket]:
     """One bucket per group, named ``{prefix}.bucket{i}``, with ``copies`` buffers each (see
-    the module docstring)."""
+    the module docstring): a staged bucket's buffers hold the gradients, and each one's host
+    twin the gradients and the flags; any other bucket's buffers hold both."""
     sizes = [sum(p.numel() for p in group) + len(group) for _, group in groups]
-    shared = _shared_buffers(comm, [g for _, g in groups], sizes, copies)
+    stagers = [stager_for(comm, group[0].device) for _, group in groups]
+    shared = _shared_buffers(comm, [g for _, g in groups], sizes, copies, stagers)
     buckets = []
     for i, (module, group) in enumerate(groups):
-        device, dtype = group[0].device, group[0].dtype
+        device, dtype, stager = group[0].device, group[0].dtype, stagers[i]
+        length = sizes[i] - len(group) if stager is not None else sizes[i]
         buffers = shared.get(i) or [
-            torch.zeros(sizes[i], dtype=dtype, device=device) for _ in range(copies)
+            torch.zeros(length, dtype=dtype, device=device) for _ in range(copies)
         ]
-        bucket = Bucket(f"{prefix}.bucket{i}", group, priorities[i], buffers, module)
-        bucket.stager = stager_for(comm, device)
-        if bucket.stager is not None:
-            bucket.hosts = [bucket.stager.host_buffer(b) for b in buffers]
+        bucket = Bucket(f"{prefix}.bucket{i}", group, priorities[i], buffers, module, stager)
+        if stager is not None:
+            bucket.hosts = [stager.host_buffer(sizes[i], dtype) for _ in buffers]
         buckets.append(bucket)
     return buckets
 
 
 def _shared_buffers(
-    comm: Communicator, groups: list[list[nn.Parameter]], sizes: list[int], copies: int
+    comm: Communicator, groups: list[list[nn.Parameter]], sizes: list[int], copies: int,
+    stagers: list[Stager | None],
 ) -> dict[int, list[torch.Tensor]]:
     """The buffers of the CPU buckets, carved from one shared window per dtype
     (``comm.shared_empty``: collective, and the same on every rank, like the buckets), so
@@ -219,7 +244,8 @@ def _shared_buffers(
     out: dict[int, list[torch.Tensor]] = {}
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, group in enumerate(groups):
-        if group[0].device.type == "cpu" and group[0].dtype != torch.bfloat16:
+        unstaged_cpu = group[0].device.type == "cpu" and stagers[i] is None
+        if unstaged_cpu and group[0].dtype != torch.bfloat16:
             by_dtype.setdefault(group[0].dtype, []).append(i)  # numpy has no bfloat16
     for dtype, mine in sorted(by_dtype.items(), key=lambda item: str(item[0])):
         np_dtype = torch.empty(0, dtype=dtype).numpy().dtype

@@ -50,7 +50,7 @@ from .buckets import Bucket, Update, build_buckets
 from .join import Joining
 from .modes import MODES, mode_for
 from .optimizer import DataParallelOptimizer
-from .replicas import BufferSync, broadcast_bytes, broadcast_parameters, check_same_everywhere
+from .replicas import BufferSync, broadcast_tensors, check_same_everywhere
 from .staging import stager_for
 from .stats import CommStats
 
@@ -106,11 +106,11 @@ class DataParallel(nn.Module):
             stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         check_same_everywhere(comm, named, "parameter")
-        broadcast_parameters(comm, [p for _, p in named], f"{self._prefix}.init")
+        broadcast_tensors(comm, [p for _, p in named], f"{self._prefix}.init")
         self._buffer_sync = BufferSync(comm, module, self._prefix, broadcast_buffers)
         if broadcast_buffers:
             check_same_everywhere(comm, list(module.named_buffers()), "buffer")
-            broadcast_bytes(comm, self._buffer_sync.buffers(), f"{self._prefix}.buffers-init")
+            broadcast_tensors(comm, self._buffer_sync.buffers(), f"{self._prefix}.buffers-init")
         self._buckets = self._make_buckets(self._params, bucket_bytes)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self.optimizer = DataParallelOptimizer(
@@ -347,8 +347,8 @@ class DataParallel(nn.Module):
             self._mode.before_post(self, bucket)
         if bucket.inflight is not None:  # an earlier pass of this step: superseded
             self._gradients(bucket, bucket.inflight)  # its buffer is reused: wait for it
-        flat = bucket.flat(self._generation)
-        bucket.pack(flat)
+        flat, flags = bucket.flat(self._generation), bucket.flags(self._generation)
+        bucket.pack(flat, flags)
         request: Request[Any]
         if bucket.stager is None:
             request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
@@ -357,7 +357,7 @@ class DataParallel(nn.Module):
             request = bucket.stager.iallreduce(
                 flat, host, "sum", name=bucket.name, priority=bucket.priority
             )
-        bucket.inflight = Update(request, flat)
+        bucket.inflight = Update(request, flat, flags=flags)
         bucket.posted_pass = self._pass
         bucket.ready.clear()
 

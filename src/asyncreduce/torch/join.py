@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .replicas import broadcast_bytes, broadcast_parameters
+from .replicas import broadcast_tensors
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
@@ -68,10 +68,10 @@ class Joining:
         wrapper.synchronize()
         root = max(self._last) if self._last else wrapper._comm.world_size - 1
         params = list(wrapper.module.parameters())
-        broadcast_parameters(wrapper._comm, params, f"{wrapper._prefix}.final", root)
+        broadcast_tensors(wrapper._comm, params, f"{wrapper._prefix}.final", root)
         if wrapper._buffer_sync.enabled:
             buffers = wrapper._buffer_sync.buffers()
-            broadcast_bytes(wrapper._comm, buffers, f"{wrapper._prefix}.final-buffers", root)
+            broadcast_tensors(wrapper._comm, buffers, f"{wrapper._prefix}.final-buffers", root)
 
     def _round(self, code: int) -> list[int]:
         """The ranks still training this round (this rank's ``code`` counted)."""

@@ -6,14 +6,16 @@ and shapes of parameters, and of buffers when they are broadcast, are compared o
 and then takes rank 0's values. Before a forward, ``BufferSync`` makes every buffer rank 0's,
 under DDP's rule (``DistributedDataParallel._pre_forward``/``_post_forward``): a forward
 broadcasts when the forward before it ran with gradients enabled and outside ``no_sync``, and
-the first forward always does. All buffers of one device travel as one broadcast of their
-bytes, whatever their dtypes; they are written through ``.data``, so, as in DDP, their version
+the first forward always does. All tensors of one device and dtype travel as one broadcast of
+one flat tensor (a device's through its stager: the training thread moves no bytes between
+host and device itself); they are written through ``.data``, so, as in DDP, their version
 counters do not move.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +23,9 @@ from torch import nn
 
 from ..comm import Communicator
 from ..errors import MismatchError
+from .staging import stager_for
 
-__all__ = ["BufferSync", "broadcast_parameters", "check_same_everywhere"]
+__all__ = ["BufferSync", "broadcast_tensors", "check_same_everywhere"]
 
 _MAX_DIMS = 8
 
@@ -51,52 +54,41 @@ def check_same_everywhere(
                 )
 
 
-def broadcast_parameters(
-    comm: Communicator, params: list[nn.Parameter], name: str, root: int = 0
+def broadcast_tensors(
+    comm: Communicator, params: Sequence[torch.Tensor], name: str, root: int = 0
 ) -> None:
-    """``root``'s values everywhere (blocking), each tensor broadcast as its bytes, in place
-    on the CPU (no copy), through a host copy elsewhere."""
+    """``root``'s values of ``params`` everywhere (blocking): one broadcast per device and dtype,
+    of one flat tensor; a staged device's through its stager, so this thread moves no bytes
+    between host and device and never synchronizes with one. Written through ``.data``: as in
+    DDP, no version counter moves."""
+    pending = []
     with torch.no_grad():
-        hosts = [_bytes_of(p.data if p.device.type == "cpu" else p.detach().cpu()) for p in params]
-        requests = [
-            comm.ibroadcast(h, root=root, name=f"{name}{i}") for i, h in enumerate(hosts)
-        ]
-        for r in requests:
-            r.wait()
-        for p, h in zip(params, hosts, strict=True):
-            if p.device.type != "cpu" or not p.is_contiguous():
-                _write_bytes(p, torch.from_numpy(h))
-
-
-def broadcast_bytes(
-    comm: Communicator, tensors: list[torch.Tensor], name: str, root: int = 0
-) -> None:
-    """``root``'s contents of ``tensors`` everywhere: one broadcast per device, of their bytes."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, group in sorted(by_device.items(), key=lambda item: str(item[0])):
-        with torch.no_grad():
-            flat = torch.cat([torch.from_numpy(_bytes_of(t.data.cpu())) for t in group])
-            comm.broadcast(flat.numpy(), root=root, name=f"{name}.{device}")
+        for (device, dtype), group in _by_kind(params):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            label = f"{name}.{device}.{str(dtype).removeprefix('torch.')}"
+            stager = stager_for(comm, device)
+            if stager is None:
+                request: Any = comm.ibroadcast(flat.view(torch.uint8), root=root, name=label)
+            else:
+                request = stager.pooled_broadcast(flat, root, name=label)
+            pending.append((request, flat, group))
+        for request, flat, group in pending:
+            request.wait()
+            if comm.rank == root:
+                continue  # (its tensors hold the values already)
             offset = 0
             for t in group:
-                n = t.numel() * t.element_size()
-                _write_bytes(t, flat[offset : offset + n])
-                offset += n
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a flat uint8 array (its own memory where it is contiguous)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _write_bytes(t: torch.Tensor, raw: torch.Tensor) -> None:
-    """Set ``t`` (any device, through ``.data``: no version bump) from its bytes ``raw``."""
-    target = t.data if t.is_contiguous() else t.data.contiguous()
-    target.reshape(-1).view(torch.uint8).copy_(raw)
-    if target.data_ptr() != t.data.data_ptr():
-        t.data.copy_(target)
+def _by_kind(tensors: Sequence[torch.Tensor]
+             ) -> list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]]:  # fmt: skip
+    """The tensors by device and dtype, in an order every rank shares."""
+    found: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        found.setdefault((t.device, t.dtype), []).append(t)
+    return sorted(found.items(), key=lambda item: (str(item[0][0]), str(item[0][1])))
 
 
 class BufferSync:
@@ -125,7 +117,7 @@ class BufferSync:
     def broadcast(self, root: int) -> None:
         found = self.buffers()  # looked up each time: a buffer may have been reassigned
         if found:
-            broadcast_bytes(self._comm, found, self._name, root)
+            broadcast_tensors(self._comm, found, self._name, root)
 
     def after_forward(self, synced_backward: bool) -> None:
         self._due = torch.is_grad_enabled() and synced_backward

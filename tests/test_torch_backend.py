@@ -353,7 +353,28 @@ def _ddp_run(group: Any, kind: str, rank: int, n: int) -> dict[str, Any]:
     return {n_: p.detach().clone().numpy() for n_, p in module.named_parameters()}
 
 
-KINDS = ["plain", "no_sync", "hook", "fp16", "unused", "static", "join"]
+KINDS = ["plain", "no_sync", "hook", "fp16", "unused", "static", "join", "staged"]
+
+
+def _ddp(group: Any, kind: str, rank: int, n: int) -> dict[str, Any]:
+    return _ddp_staged(group, rank, n) if kind == "staged" else _ddp_run(group, kind, rank, n)
+
+
+def _ddp_staged(group: Any, rank: int, n: int) -> dict[str, Any]:
+    """DDP over a group whose every tensor is staged, as a CUDA tensor is (through the CPU
+    stand-in of a GPU): where Gloo's plain run ends, with its copies and no synchronization
+    of the training thread (DDP waits on its own work; staging threads wait on copies)."""
+    from asyncreduce.torch.standin import standing_in
+
+    if group is None:
+        return _ddp_run(group, "plain", rank, n)
+    with standing_in() as device:
+        ended = _ddp_run(group, "plain", rank, n)
+        counts = device.counts()
+    moved = sum(v for (what, _), v in counts.items() if what in ("to_host", "to_device"))
+    syncs = sum(v for (what, who), v in counts.items()
+                if what == "synchronize" and not who.startswith("asyncreduce-staging"))
+    return {**ended, "_moved": np.array(moved > 0), "_syncs": np.array(syncs)}
 
 
 def body_ddp(rank: int, n: int, port: int) -> dict[str, Any]:
@@ -362,7 +383,7 @@ def body_ddp(rank: int, n: int, port: int) -> dict[str, Any]:
                             world_size=n)  # fmt: skip
     ours = dist.new_group(backend="asyncreduce")
     try:
-        return {kind: {"gloo": _ddp_run(None, kind, rank, n), "ours": _ddp_run(ours, kind, rank, n)}
+        return {kind: {"gloo": _ddp(None, kind, rank, n), "ours": _ddp(ours, kind, rank, n)}
                 for kind in KINDS}  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -373,6 +394,8 @@ def body_ddp(rank: int, n: int, port: int) -> dict[str, Any]:
 def test_ddp_over_asyncreduce_ends_where_ddp_over_gloo_ends(n: int) -> None:
     results = run_ranks(n, body_ddp, connect=False, timeout=180)
     for rank, out in results.items():
+        assert out["staged"]["ours"].pop("_moved"), f"rank {rank}: nothing was staged"
+        assert out["staged"]["ours"].pop("_syncs") == 0, f"rank {rank}: the training thread synced"
         for kind in KINDS:
             for name, want in out[kind]["gloo"].items():
                 diff = float(np.abs(out[kind]["ours"][name] - want).max())

@@ -11,7 +11,9 @@ group's rank and size and the global ranks in it, and returns an ``AsyncReducePr
 * each group posts its operations on a group of its own, unnamed, so they are matched by
   order as torch's API requires, and never mix with the communicator's own unnamed operations;
 * a collective turns torch's arguments into one of the communicator's operations on numpy
-  views of the tensors (no copy where the layouts allow), and returns a ``Work`` whose
+  views of the tensors (no copy where the layouts allow); allreduce and broadcast of a CUDA
+  tensor (what DDP sends) are staged through pinned host memory (staging.py), named by a
+  count of the group's staged operations; it returns a ``Work`` whose
   ``wait()`` waits for it and whose ``get_future()`` is completed with the output tensors
   (an error is set on the future), as Gloo's are.
 
@@ -36,6 +38,7 @@ from ..comm import Communicator
 from ..errors import UsageError
 from ..launchers import Place, Rendezvous
 from ..protocol.operation import Settings
+from .staging import stager_for
 from .work import Work as _Work
 from .work import joined as _joined
 
@@ -65,6 +68,7 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # operation would cost every small one a heap entry
         self._timeout: float | None = None
         self._owns = owns  # the communicator this group connected, closed with it
+        self._staged_count = 0  # staged operations posted so far (see _staged_name)
 
     # ---- what torch asks of a process group ------------------------------------------------
 
@@ -96,15 +100,33 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = _reduction(opts)  # (the communicator checks each tensor: CPU, contiguous)
-        return _Work([self._comm.iallreduce(t, op) for t in tensors], tensors)
+        requests = []
+        for t in tensors:
+            stager = stager_for(self._comm, t.device)
+            requests.append(self._comm.iallreduce(t, op) if stager is None else
+                            stager.pooled_allreduce(t, op, name=self._staged_name()))  # fmt: skip
+        return _Work(requests, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         root = opts.rootRank if opts is not None else 0
-        requests = [self._comm.ibroadcast(t, root, timeout=self._timeout) for t in _cpu(tensors)]
+        requests = []
+        for t in tensors:
+            stager = stager_for(self._comm, t.device)
+            if stager is None:
+                requests.append(self._comm.ibroadcast(_cpu([t])[0], root, timeout=self._timeout))
+            else:
+                requests.append(stager.pooled_broadcast(t, root, name=self._staged_name()))
         return _Work(requests, tensors)
+
+    def _staged_name(self) -> str:
+        """A name for a staged operation (posted from a staging thread, so not matched by
+        order): torch calls a group's collectives in one order on every rank, so counting
+        them here names each alike everywhere."""
+        self._staged_count += 1
+        return f"torch.staged.{self._staged_count}"
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> _Work:  # fmt: skip
@@ -259,7 +281,9 @@ def _reduction(opts: Any) -> str:
 def _cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for t in tensors:
         if t.device.type != "cpu":
-            raise UsageError(f"the asyncreduce backend runs CPU tensors; got one on {t.device}")
+            raise UsageError(f"the asyncreduce backend runs CPU tensors, and allreduce and "
+                             f"broadcast of CUDA ones (staged); got one on {t.device} for "
+                             "another operation: move it to the CPU first")  # fmt: skip
         if not t.is_contiguous():
             raise UsageError("the asyncreduce backend needs contiguous tensors")
     return list(tensors)
@@ -361,5 +385,5 @@ def register() -> None:
     """Make "asyncreduce" a torch.distributed backend (done by ``import asyncreduce.torch``)."""
     if BACKEND in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 

@@ -70,9 +70,13 @@ class StagedRequest(Request[T]):
     def wait(self, timeout: float | None = None) -> T:
         """The result; the calling thread's current stream is ordered after the copy back."""
         result = super().wait(timeout)
+        self.order_current_stream()
+        return result
+
+    def order_current_stream(self) -> None:
+        """Once done: this thread's current stream waits (on the device) for the copy back."""
         if self.event is not None:
             self._device.wait(self.event, None)
-        return result
 
 
 class _Staged:

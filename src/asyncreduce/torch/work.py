@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..request import Request, wait_all
+from .staging import StagedRequest
 
 __all__ = ["Work", "joined"]
 
@@ -62,7 +63,7 @@ class Work(dist.Work):  # type: ignore[misc, name-defined]
     def get_future(self) -> torch.futures.Future[Any]:
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future = torch.futures.Future(devices=_cuda_devices(self._outputs))
                 pending = [len(self._requests)]
                 for request in self._requests:
                     request.add_done_callback(lambda r: self._settle(r, pending))
@@ -92,6 +93,9 @@ class Work(dist.Work):  # type: ignore[misc, name-defined]
             future.set_exception(error)
         else:
             try:
+                for request in self._requests:  # staged: the future's events follow the copy
+                    if isinstance(request, StagedRequest):  # back (on the device)
+                        request.order_current_stream()
                 self._done()
             except Exception as exc:  # noqa: BLE001 - torch's future carries it
                 future.set_exception(exc)
@@ -124,6 +128,13 @@ class Work(dist.Work):  # type: ignore[misc, name-defined]
 
     def synchronize(self) -> None:
         self.wait()
+
+
+def _cuda_devices(outputs: list[Any]) -> list[int | str | torch.device]:
+    """The CUDA devices of the outputs (a future holding CUDA tensors must name them)."""
+    flat = [t for o in outputs for t in (o if isinstance(o, list) else [o])]
+    return sorted({t.device for t in flat if isinstance(t, torch.Tensor)
+                   and t.device.type == "cuda"}, key=str)  # fmt: skip
 
 
 def joined(works: list[Work], outputs: list[Any]) -> Work:

@@ -72,9 +72,11 @@ class Bucket:
         whole = self.host(generation) if self.stager is not None else self.flat(generation)
         return whole[self.numel :]
 
-    def pack(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
+    def pack(self, flat: torch.Tensor, flags: torch.Tensor) -> bool:
         """Gradients into ``flat`` and used-flags into ``flags`` (on the host where staged:
-        no scalar crosses to the device); remember what was sent (see ``changed``)."""
+        no scalar crosses to the device); remember what was sent (see ``changed``). Returns
+        whether this rank lacked a gradient: only then can a summed flag be 0, so only then
+        must the flags be read back."""
         offset = 0
         sent: list[tuple[Any, int, tuple[float, float]]] = []
         unused: list[int] = []
@@ -95,6 +97,7 @@ class Bucket:
             for i in unused:
                 flags[i] = 0.0
         self.sent = sent
+        return bool(unused)
 
     def _fingerprint(self, grad: torch.Tensor) -> tuple[float, float]:
         """``_fingerprint`` of an unstaged gradient; nothing for a staged one (reading a device
@@ -135,7 +138,7 @@ class Update:
     ) -> None:
         self.request = request
         self.flat = flat
-        self.flags = flags  # the summed used-flags, on the host
+        self.flags = flags  # the summed used-flags to read back; None: every one is used
         self.grads = grads
         self.hyper = hyper
 
@@ -144,7 +147,6 @@ class Update:
         ``wait`` first where waiting is timed."""
         if self.grads is None:
             assert self.request is not None and self.flat is not None
-            assert self.flags is not None
             self.request.wait()  # staged: also orders this thread's stream after the copy back
             self.grads = unpack(bucket.params, self.flat, self.flags, world)
         return self.grads
@@ -160,12 +162,12 @@ def _fingerprint(grad: torch.Tensor) -> tuple[float, float]:
 
 
 def unpack(
-    params: list[nn.Parameter], flat: torch.Tensor, flags: torch.Tensor, world: int
+    params: list[nn.Parameter], flat: torch.Tensor, flags: torch.Tensor | None, world: int
 ) -> list[torch.Tensor | None]:
     """The average of each parameter's gradient in ``flat`` (the sum), or None if no rank had
-    one (its summed flag in ``flags``, on the host, is 0); divided in place, so the results are
-    views of ``flat``."""
-    used = flags.tolist()
+    one (its summed flag in ``flags`` is 0; ``flags`` None: this rank had every one); divided
+    in place, so the results are views of ``flat``."""
+    used = flags.tolist() if flags is not None else [1.0] * len(params)
     grads: list[torch.Tensor | None] = []
     offset = 0
     with torch.no_grad():

@@ -348,7 +348,7 @@ class DataParallel(nn.Module):
         if bucket.inflight is not None:  # an earlier pass of this step: superseded
             self._gradients(bucket, bucket.inflight)  # its buffer is reused: wait for it
         flat, flags = bucket.flat(self._generation), bucket.flags(self._generation)
-        bucket.pack(flat, flags)
+        lacking = bucket.pack(flat, flags)
         request: Request[Any]
         if bucket.stager is None:
             request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
@@ -357,7 +357,7 @@ class DataParallel(nn.Module):
             request = bucket.stager.iallreduce(
                 flat, host, "sum", name=bucket.name, priority=bucket.priority
             )
-        bucket.inflight = Update(request, flat, flags=flags)
+        bucket.inflight = Update(request, flat, flags=flags if lacking else None)
         bucket.posted_pass = self._pass
         bucket.ready.clear()
 

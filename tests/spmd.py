@@ -161,17 +161,12 @@ def run_ranks(
     }
     for p in procs.values():
         p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < len(procs) - len(expect_dead & set(procs)):
-            try:
-                rank, ok, value = out.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                missing = sorted(set(procs) - set(results) - set(errors) - expect_dead)
-                raise AssertionError(f"ranks {missing} did not finish within {timeout} s") from None
-            (results if ok else errors)[rank] = value
+        results, errors = collect(procs, out, timeout, expect_dead)
+    except BaseException:
+        deadline = 0.0  # a rank died or did not finish: the others are not waited for
+        raise
     finally:
         for p in procs.values():
             p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
@@ -185,6 +180,56 @@ def run_ranks(
             "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         )
     return results
+
+
+def collect(
+    procs: dict[int, Any], out: Any, timeout: float, expect_dead: frozenset[int] = frozenset()
+) -> tuple[dict[int, Any], dict[int, str]]:
+    """What the ranks of ``procs`` (rank -> started process) put on ``out`` as ``(rank, ok,
+    value)``, as (results, errors) by rank, once every rank not in ``expect_dead`` has put
+    one. Fails at once, naming the rank and its exit code, when one of them has exited without
+    putting its own (a crash, a signal, an error outside the body) rather than waiting out
+    ``timeout`` for it; fails after ``timeout`` seconds if one has not finished by then."""
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    wanted = set(procs) - expect_dead
+    deadline = time.monotonic() + timeout
+    while wanted - set(results) - set(errors):
+        left = deadline - time.monotonic()
+        try:
+            rank, ok, value = out.get(timeout=max(0.01, min(0.2, left)))
+        except queue.Empty:
+            _check_alive(procs, out, results, errors, wanted)
+            if time.monotonic() >= deadline:
+                missing = sorted(wanted - set(results) - set(errors))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s") from None
+            continue
+        (results if ok else errors)[rank] = value
+    return results, errors
+
+
+def _check_alive(
+    procs: dict[int, Any], out: Any, results: dict[int, Any], errors: dict[int, str],
+    wanted: set[int],
+) -> None:  # fmt: skip
+    """AssertionError for a rank of ``wanted`` that exited without a result; what its queue
+    still holds is read first (a rank's put reaches the pipe before its process exits)."""
+    dead = {r: procs[r].exitcode for r in wanted - set(results) - set(errors)
+            if procs[r].exitcode is not None}  # fmt: skip
+    if not dead:
+        return
+    try:
+        while True:
+            rank, ok, value = out.get(timeout=0.1)
+            (results if ok else errors)[rank] = value
+    except queue.Empty:
+        pass
+    lost = {r: code for r, code in dead.items() if r not in results and r not in errors}
+    if lost:
+        rank, code = min(lost.items())
+        others = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise AssertionError(f"rank {rank} died (exit code {code}) without a result; "
+                             f"ranks {sorted(results)} reported one{others}")  # fmt: skip
 
 
 def shuffled_in_threads(

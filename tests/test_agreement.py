@@ -9,12 +9,22 @@ a mismatch is seen on every rank, naming the other side; bad contributions are r
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncreduce.algorithms import DTYPES
+from asyncreduce.buffers import device_buffer
+from asyncreduce.flight import FlightRecorder
 from asyncreduce.ordered.agreement import Agreement, AgreementError, Entry, decode, encode
+from asyncreduce.ordered.backend import OrderedBackend
+from asyncreduce.ordered.fusion import Call, complete
+from asyncreduce.ordered.posted import Posted
+from asyncreduce.plans import Plan
+from asyncreduce.protocol import ON_DEVICE, describe
+from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.transport.frame import Descriptor
 
 DESC = Descriptor(1, 2, 1, 0, 1000)
@@ -221,3 +231,67 @@ def test_a_stopped_rank_finishes_its_round_and_starts_no_other() -> None:
     assert [g.key for g in a.take_agreed()] == [(b"x", 0)]
     a.post(entry("y"))  # (a closing engine fails such posts; the agreement stays silent)
     assert a.receive(1, encode(1, [entry("z")])) == []
+
+
+class _Engine:
+    """A stand-in for the ordered engine: what OrderedBackend reads of one (an adapter that
+    takes device tensors), and the operations it is handed."""
+
+    rank, world_size = 0, 2
+    adapter = SimpleNamespace(devices=True)
+
+    def __init__(self) -> None:
+        self.posted: list[Posted] = []
+
+    def submit(self, op: Posted) -> None:
+        self.posted.append(op)
+
+
+def _posted_on_device(name: str, root: int) -> Posted:
+    """What OrderedBackend.submit hands the engine for a (meta-device) tensor of ``name`` type,
+    built as a CUDA tensor's is: device_buffer, then an allreduce (``root`` 0) or a broadcast
+    from ``root``."""
+    torch = pytest.importorskip("torch")
+    buf = device_buffer(torch.zeros(3, 5, dtype=getattr(torch, name), device="meta"), "x")
+    assert buf is not None
+    plan = Plan("broadcast", buf, lambda: None, None, root) if root else Plan(
+        "allreduce", buf, lambda: None, "sum")  # fmt: skip
+    engine = _Engine()
+    OrderedBackend(engine).submit(  # type: ignore[arg-type]
+        plan, (b"g", 0), "g", 0, None, Request("g", CallbackRunner("test"))
+    )
+    return engine.posted[0]
+
+
+@pytest.mark.parametrize("root", [0, 1])
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_device_descriptors_go_through_the_agreement(name: str, root: int) -> None:
+    """A device buffer's descriptor (its dtype code + ON_DEVICE) is ints that fit the wire, and
+    comes back equal from a peer's agreement (it once held a tensor's ``size`` method, and the
+    engine thread died packing it: struct.error, every rank broken)."""
+    desc = _posted_on_device(name, root).desc
+    e = Entry(b"g", 0, desc, 0)
+    assert decode(encode(3, [e])) == (3, [e])
+    assert all(type(field) is int for field in desc), desc
+    assert (desc.dtype, desc.root, desc.count) == (DTYPES[name].code + ON_DEVICE, root, 15)
+    a, b = Agreement(0, 2), Agreement(1, 2)
+    for _, message in a.post(e):
+        b.receive(0, message)
+    b.post(e)
+    [agreed] = b.take_agreed()
+    assert (agreed.desc, agreed.mismatch) == (desc, None)
+
+
+def test_an_agreed_device_operation_completes() -> None:
+    """Past the agreement, the engine completes a device operation's call (fusion.complete
+    once added a tensor's ``size`` method to an int: the engine thread's next crash)."""
+    op = _posted_on_device("float32", 0)
+    complete(Call([op], _Done()), 2, FlightRecorder(0, 2, 8, describe))
+    assert op.request.done() and op.request.exception() is None
+
+
+class _Done:
+    """A finished engine call."""
+
+    def done(self) -> bool:
+        return True

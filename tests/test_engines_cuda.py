@@ -7,6 +7,8 @@ two GPUs. On CPU the same engine code is tested over Gloo by test_engines.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import asyncreduce as ar  # noqa: E402
-from spmd import free_port  # noqa: E402
+from spmd import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,7 +32,7 @@ def _join(rank: int, n: int, port: int, backend: str) -> object:
     return device
 
 
-def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+def _rank(rank: int, n: int, port: int, backend: str) -> tuple[float, float, list[float]]:
     device = _join(rank, n, port, backend)
     try:
         with ar.init(backend="torch") as comm:
@@ -45,38 +47,30 @@ def _rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
             torch.cuda.synchronize(device)
             b = torch.arange(8.0, device=device) * (rank + 1)
             comm.broadcast(b, root=1, name="b")
-            out.put((rank, float(y[0]), float(y[-1]), b.cpu().numpy().tolist()))  # type: ignore[attr-defined]
+            return float(y[0]), float(y[-1]), b.cpu().numpy().tolist()
     finally:
         dist.destroy_process_group()
 
 
-def _two_ranks(target: object, backend: str, timeout: float) -> list[tuple]:
-    """``target(rank, 2, port, backend, out)`` in two spawned processes; what each put, by rank."""
+def _two_ranks(target: Callable[..., Any], backend: str, timeout: float) -> list[Any]:
+    """``target(rank, 2, port, backend)`` in two spawned processes; what each returned, by
+    rank. A rank that raises fails the test with its traceback, and one that dies (a crash in
+    CUDA, NCCL or the engine) fails it at once with its exit code, not after ``timeout``."""
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a GPU per rank")
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, 2, port, backend, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(30)
-    return got
+    got = run_ranks(2, target, backend, timeout=timeout, daemon=False, connect=False)
+    return [got[r] for r in sorted(got)]
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_cuda_tensors_go_to_the_group_ordered_by_events(backend: str) -> None:
     got = _two_ranks(_rank, backend, 120)
-    for _, first, last, b in got:
+    for first, last, b in got:
         assert first == last == 3.0  # avg of 1 and 2, times 2
         assert b == (np.arange(8.0) * 2).tolist()
 
 
-def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
+def _dp_rank(rank: int, n: int, port: int, backend: str) -> dict[str, float]:
     """DataParallel in every mode on CUDA parameters over backend="torch": each rank trains its
     half of a batch; the result must be what one process gets on the whole batch."""
     import asyncreduce.torch as art
@@ -117,7 +111,7 @@ def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
                     opt.zero_grad()
                 pairs = zip(finals[mode], ref.parameters(), strict=True)
                 finals[mode] = max(float((a - b).abs().max()) for a, b in pairs)
-            out.put((rank, finals))  # type: ignore[attr-defined]
+            return finals
     finally:
         dist.destroy_process_group()
 
@@ -125,5 +119,5 @@ def _dp_rank(rank: int, n: int, port: int, backend: str, out: object) -> None:
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_data_parallel_on_cuda_over_the_torch_backend_is_exact(backend: str) -> None:
     got = _two_ranks(_dp_rank, backend, 180)
-    for _, diffs in got:
+    for diffs in got:
         assert all(d < 1e-10 for d in diffs.values()), diffs

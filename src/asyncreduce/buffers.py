@@ -20,7 +20,7 @@ import numpy as np
 from .algorithms import DTYPES, Array, DType
 from .errors import UsageError
 
-__all__ = ["Buffer", "as_buffer", "device_buffer", "numpy_dtype"]
+__all__ = ["Buffer", "as_buffer", "device_buffer", "elements", "numpy_dtype"]
 
 _SUPPORTED = ", ".join(DTYPES)
 
@@ -76,6 +76,12 @@ def device_buffer(x: Any, what: str) -> Buffer | None:
         raise UsageError(f"{what} has dtype {x.dtype}; supported: {_SUPPORTED}")
     torch.autograd.graph.increment_version(x)
     return Buffer(x, x.detach().view(-1), tuple(x.shape), dtype, _same)
+
+
+def elements(flat: Any) -> int:
+    """How many elements a ``Buffer.flat`` holds: a numpy array's ``size``, or a device
+    tensor's ``numel()`` (a tensor's ``size`` is a method, not a number)."""
+    return flat.size if isinstance(flat, np.ndarray) else int(flat.numel())
 
 
 def _read_only(x: Any, what: str) -> Buffer:

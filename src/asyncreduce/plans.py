@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .algorithms import KINDS, REDUCTION_CODES, Array, Collective, Exchange
-from .buffers import Buffer, as_buffer
+from .buffers import Buffer, as_buffer, elements
 from .transport.frame import Descriptor
 
 __all__ = ["Plan", "allgather", "alltoall", "barrier", "exchange", "gather", "receive",
@@ -45,10 +45,11 @@ class Plan:
     tag: int | None = None  # point-to-point
 
     def descriptor(self, root: int, dtype_code: int) -> Descriptor:
-        """What every rank must agree on: kind, dtype, reduction, ``root`` and count."""
-        count = self.buf.flat.size if self.count is None else self.count
+        """What every rank must agree on: kind, dtype, reduction, ``root`` and count, checked
+        to be ints that fit the wire (the count of a device tensor too: ``elements``)."""
+        count = elements(self.buf.flat) if self.count is None else self.count
         reduce = REDUCTION_CODES[self.op] if self.op else 0
-        return Descriptor(KINDS[self.kind], dtype_code, reduce, root, count)
+        return Descriptor.checked(KINDS[self.kind], dtype_code, reduce, root, count)
 
 
 def barrier() -> Plan:

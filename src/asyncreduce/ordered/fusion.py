@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..algorithms.reduction import finalize
+from ..buffers import elements
 from ..envvars import env_number
 from ..flight import FlightRecorder
 from .posted import Posted, Running
@@ -76,7 +77,8 @@ def complete(call: Call, world_size: int, flight: FlightRecorder) -> None:
     fused scratch back into its memory, an average divided, its record and request done."""
     at = 0
     for op in call.ops:
-        n, at = op.flat.size, at + op.flat.size
+        n = elements(op.flat)  # (a device tensor's ``size`` is a method)
+        at += n
         if op.request.done():  # failed meanwhile: it ran for the peers' sake; its memory
             continue  # is no longer the caller's to write
         if call.scratch is not None:

@@ -23,9 +23,10 @@ Every field is checked against its bounds by ``parse_header`` before use.
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 __all__ = [
     "DATA",
@@ -88,6 +89,44 @@ class Descriptor(NamedTuple):
     reduce: int
     root: int
     count: int  # type: ignore[assignment]  # (shadows tuple.count, which nobody calls)
+
+    @classmethod
+    def checked(cls, kind: int, dtype: int, reduce: int, root: int, count: int) -> Descriptor:
+        """A descriptor of ints that fit the wire (a byte each for kind, dtype and reduce, 32
+        bits of root, 64 of count: the frame header and the ordered engines' agreement pack
+        them so), integer-likes made ints; TypeError or ValueError naming the field otherwise.
+        Checked where an operation's descriptor is made, in the caller's thread: the packing
+        comes later, on an engine's thread, where a field that was not an int (a torch
+        tensor's ``size`` method for its count) once broke every rank with a struct.error."""
+        fields: tuple[int, ...] = (kind, dtype, reduce, root, count)
+        if not type(kind) is type(dtype) is type(reduce) is type(root) is type(count) is int:
+            fields = tuple(_as_int(name, v) for name, v in zip(cls._fields, fields, strict=True))
+        try:
+            _FIELDS.pack(*fields)
+        except struct.error:
+            raise ValueError(_out_of_range(fields)) from None
+        return cls(*fields)
+
+
+_FIELDS: Final = struct.Struct("<BBBIQ")  # a descriptor's fields as the wire carries them
+
+
+def _as_int(name: str, value: Any) -> int:
+    """``value`` of descriptor field ``name`` as an int, or TypeError."""
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        raise TypeError(f"an operation's descriptor has {name}={value!r}, not an integer "
+                        "(a bug in asyncreduce: please report it)") from None  # fmt: skip
+
+
+def _out_of_range(fields: tuple[int, ...]) -> str:
+    """Which of a descriptor's int fields does not fit its width on the wire."""
+    for name, value, code in zip(Descriptor._fields, fields, _FIELDS.format[1:], strict=True):
+        bits = struct.calcsize(code) * 8
+        if not 0 <= value < 1 << bits:
+            return f"an operation's descriptor has {name}={value}, outside its {bits} bits"
+    return f"an operation's descriptor {fields} does not fit the wire"  # (cannot happen)
 
 
 @dataclass(slots=True)

@@ -83,8 +83,10 @@ class _Staged:
     """One staged operation: its tensor, host twin, chunks, and how many are still out."""
 
     def __init__(self, tensor: torch.Tensor, host: torch.Tensor, name: str, post: Post,
-                 request: StagedRequest[Any], moves: tuple[bool, bool]) -> None:
+                 request: StagedRequest[Any], moves: tuple[bool, bool],
+                 release: Callable[[], None] | None) -> None:  # fmt: skip
         self.tensor, self.flat, self.host = tensor, tensor.reshape(-1), host
+        self.release = release  # called once the host twin is free, before the request ends
         self.post, self.request = post, request
         # (copy out, copy back): a broadcast's root sends and keeps, its leaves only receive
         self.copy_out, self.copy_back = moves
@@ -108,6 +110,7 @@ class _Staged:
             self.left -= 1
             last = self.left == 0
         if last:
+            self._released()
             self.request.event = event
             self.request.set_result(self.tensor)
 
@@ -115,7 +118,12 @@ class _Staged:
         with self._lock:
             first, self.left = self.left > 0, 0
         if first:
+            self._released()
             self.request.set_exception(exc)
+
+    def _released(self) -> None:
+        if self.release is not None:
+            self.release()
 
 
 class Stager:
@@ -140,10 +148,11 @@ class Stager:
 
     def iallreduce(
         self, tensor: torch.Tensor, host: torch.Tensor, op: str = "sum", *, name: str | None = None,
-        priority: int = 0, timeout: float | None = None,
+        priority: int = 0, timeout: float | None = None, release: Callable[[], None] | None = None,
     ) -> StagedRequest[torch.Tensor]:  # fmt: skip
         """Reduce ``tensor`` in place over all ranks, through ``host`` (flat, its dtype, at
-        least its size: elements past the tensor travel as the caller wrote them)."""
+        least its size: elements past the tensor travel as the caller wrote them).
+        ``release`` is called once ``host`` is free again, just before the request ends."""
         comm = self._checked(tensor, host, name)
         comm._check_reduction(op, as_buffer(host, "x"))  # a bad call fails here, before a post
 
@@ -151,42 +160,43 @@ class Stager:
             return self._live().iallreduce(chunk, op, name=label, priority=priority,
                                            timeout=timeout)  # fmt: skip
 
-        return self._start(tensor, host, name, post, (True, True))
+        return self._start(tensor, host, name, post, (True, True), release)
 
     def ibroadcast(
         self, tensor: torch.Tensor, host: torch.Tensor, root: int = 0, *, name: str | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None, release: Callable[[], None] | None = None,
     ) -> StagedRequest[torch.Tensor]:  # fmt: skip
-        """Copy ``root``'s ``tensor`` into ``tensor`` on every rank, through ``host``."""
+        """Copy ``root``'s ``tensor`` into ``tensor`` on every rank, through ``host``
+        (``release`` as in ``iallreduce``)."""
         comm = self._checked(tensor, host, name)
 
         def post(chunk: torch.Tensor, label: str) -> Request[Any]:  # bytes: any dtype
             return self._live().ibroadcast(chunk.view(torch.uint8), root, name=label,
                                            timeout=timeout)  # fmt: skip
 
-        return self._start(tensor, host, name, post, (comm.rank == root, comm.rank != root))
+        moves = (comm.rank == root, comm.rank != root)
+        return self._start(tensor, host, name, post, moves, release)
 
     def pooled_allreduce(
         self, tensor: torch.Tensor, op: str, *, name: str | None, priority: int = 0,
         timeout: float | None = None,
     ) -> StagedRequest[torch.Tensor]:  # fmt: skip
         """``iallreduce`` through a pooled host twin (see ``_pooled``)."""
-        return self._pooled(tensor, lambda host: self.iallreduce(
-            tensor, host, op, name=name, priority=priority, timeout=timeout))  # fmt: skip
+        return self._pooled(tensor, lambda host, release: self.iallreduce(
+            tensor, host, op, name=name, priority=priority, timeout=timeout, release=release))
 
     def pooled_broadcast(
         self, tensor: torch.Tensor, root: int, *, name: str | None, timeout: float | None = None
     ) -> StagedRequest[torch.Tensor]:
         """``ibroadcast`` through a pooled host twin (see ``_pooled``)."""
-        return self._pooled(
-            tensor, lambda host: self.ibroadcast(tensor, host, root, name=name, timeout=timeout)
-        )
+        return self._pooled(tensor, lambda host, release: self.ibroadcast(
+            tensor, host, root, name=name, timeout=timeout, release=release))  # fmt: skip
 
     def _pooled(self, tensor: torch.Tensor,
-                start: Callable[[torch.Tensor], StagedRequest[torch.Tensor]]
+                start: Callable[[torch.Tensor, Callable[[], None]], StagedRequest[torch.Tensor]]
                 ) -> StagedRequest[torch.Tensor]:  # fmt: skip
-        """``start(host)`` with a host twin taken from this stager's pool: made once per size
-        and dtype, given back when the request is settled."""
+        """``start(host, release)`` with a host twin taken from this stager's pool: made once
+        per size and dtype, back in the pool before the request ends."""
         key = (tensor.numel(), tensor.dtype)
         with self._pool_lock:
             free = self._pool.setdefault(key, [])
@@ -194,17 +204,15 @@ class Stager:
         if host is None:
             host = self.host_buffer(*key)
 
-        def give_back(_: object = None) -> None:
+        def give_back() -> None:
             with self._pool_lock:
                 self._pool[key].append(host)
 
         try:
-            request = start(host)
+            return start(host, give_back)
         except BaseException:
             give_back()
             raise
-        request.add_done_callback(give_back)
-        return request
 
     # ---- the caller's side -------------------------------------------------------------------
 
@@ -228,13 +236,14 @@ class Stager:
         return comm
 
     def _start(self, tensor: torch.Tensor, host: torch.Tensor, name: str | None, post: Post,
-               moves: tuple[bool, bool]) -> StagedRequest[torch.Tensor]:
+               moves: tuple[bool, bool], release: Callable[[], None] | None
+               ) -> StagedRequest[torch.Tensor]:  # fmt: skip
         """Step 1: the producer's event, the request, and the job of the out thread."""
         assert name is not None
         request: StagedRequest[torch.Tensor] = StagedRequest(
             f"staged {name!r}", self._live()._runner, self._device
         )
-        staged = _Staged(tensor, host, name, post, request, moves)
+        staged = _Staged(tensor, host, name, post, request, moves, release)
         ready = self._device.record(None) if moves[0] else None
         self._out.submit(_CopyOut(self, staged, ready))
         return request

@@ -10,10 +10,19 @@ plain DDP. ``DataParallelOptimizer`` stands in front of it:
   read and write ``param_groups`` and wrap ``opt.step`` to see that it is called).
 * ``step()`` is the wrapper's ``step()``: what the mode says, then the gradients are cleared.
   Calling either one is the same; a scheduler stepped after it sees the call.
-* GradScaler's fused path sets ``grad_scale`` and ``found_inf`` on the optimizer for its step
-  to read: they are passed to the inner optimizer. Where updates are applied later (forward,
-  double_buffer) the fused path is not offered, since GradScaler removes them right after
-  ``step()``.
+* ``torch.amp.GradScaler``: in blocking and backward mode ``p.grad`` holds the average when
+  ``backward()`` returns, so ``unscale_``, its inf/NaN check and the skipped step are DDP's
+  (every rank sees the same average, so every rank skips alike). Its fused path sets
+  ``grad_scale`` and ``found_inf`` on the optimizer for its step to read: they are passed to
+  the inner optimizer. Where updates are applied later (forward, double_buffer) the scaler
+  would unscale and check this rank's own gradient while the average, sent during backward
+  and still scaled, is applied later, and ranks could skip different steps: it is refused.
+  The hook is ``_step_supports_amp_scaling``, the first thing ``GradScaler.step`` reads from
+  the optimizer, with ``getattr(..., False)``, which lets any error but AttributeError
+  through: it raises UsageError there, before the optimizer is stepped or its gradients are
+  unscaled by ``step`` (an explicit ``unscale_`` before it has changed only this rank's own
+  ``p.grad``, which was already sent). The attribute is GradScaler's contract with
+  optimizers: nothing else reads it.
 * ``step_subset`` lets forward mode update one layer at a time with the same inner optimizer:
   each group's ``params`` is narrowed to that layer's parameters for one inner ``step()`` and
   restored (optimizer state is kept per parameter, so a subset step is the whole step of those
@@ -75,10 +84,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         )
 
     @property
-    def _step_supports_amp_scaling(self) -> bool:  # GradScaler: may it take the fused path?
-        return not self._deferred and bool(
-            getattr(self._inner, "_step_supports_amp_scaling", False)
-        )
+    def _step_supports_amp_scaling(self) -> bool:
+        """GradScaler.step asks whether it may take the fused path (see the module docstring):
+        the inner optimizer's answer, or UsageError where updates are applied later."""
+        if self._deferred:
+            raise UsageError(_scaler_refused(self._mode_name()))
+        return bool(getattr(self._inner, "_step_supports_amp_scaling", False))
+
+    def _mode_name(self) -> str:
+        wrapper = getattr(self._wrapper_step(), "__self__", None)
+        return str(getattr(wrapper, "mode", "forward or double_buffer"))
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -181,3 +196,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             plan = [[p for p in g["params"] if id(p) in wanted] for g in groups]
             self._plans[key] = plan
         return plan
+
+
+def _scaler_refused(mode: str) -> str:
+    return (
+        f"torch.amp.GradScaler cannot step a DataParallel in mode={mode!r}: the scaler "
+        "unscales p.grad and skips the step where it finds an inf or NaN there, but in this "
+        "mode p.grad is this rank's own gradient, while the average (sent during backward, "
+        "still scaled) is applied after step() returns, so the update would not be unscaled "
+        "and ranks could skip different steps. This step changed no parameter. Use "
+        "mode='backward' or mode='blocking' (p.grad holds the average when backward() "
+        "returns, as under DDP), or train without the scaler (bfloat16 autocast needs none; "
+        "GradScaler(enabled=False) is accepted in every mode)"
+    )

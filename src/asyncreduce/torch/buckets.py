@@ -100,9 +100,10 @@ class Bucket:
         return bool(unused)
 
     def _fingerprint(self, grad: torch.Tensor) -> tuple[float, float]:
-        """``_fingerprint`` of an unstaged gradient; nothing for a staged one (reading a device
-        tensor on the host would synchronize the training thread with the device)."""
-        return _fingerprint(grad) if self.stager is None else (0.0, 0.0)
+        """``_fingerprint`` of a gradient in host memory; nothing for a staged one or one on a
+        device (reading a device tensor on the host would synchronize the training thread)."""
+        on_host = self.stager is None and grad.device.type == "cpu"
+        return _fingerprint(grad) if on_host else (0.0, 0.0)
 
     def changed(self) -> nn.Parameter | None:
         """The first parameter whose ``.grad`` was replaced or modified since it was packed:

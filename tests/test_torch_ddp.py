@@ -925,7 +925,8 @@ def test_grad_scaler_fused_or_not_steps_as_it_would_unwrapped() -> None:
                 assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1], (fused, inf)
         fused_sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True)  # noqa: E731
         model = art.DataParallel(nn.Linear(2, 2), comm, mode="forward", optimizer=fused_sgd)
-        assert not model.optimizer._step_supports_amp_scaling  # applied later: no fused path
+        with pytest.raises(ar.UsageError, match="mode='forward'.*mode='backward'"):
+            getattr(model.optimizer, "_step_supports_amp_scaling", False)  # applied later: refused
         model.close()
 
 

@@ -211,11 +211,11 @@ def test_parse_header_rejects_or_returns_bounded_fields(data: bytes) -> None:
 
 def shm_pair(size: int = 1 << 20) -> tuple[TcpTransport, Sink, TcpTransport, Sink]:
     a, b = socket.socketpair()
-    path_ab, out_ab = create_arena(size)
-    path_ba, out_ba = create_arena(size)
-    in_ab, in_ba = open_arena(path_ab, size), open_arena(path_ba, size)
-    os.unlink(path_ab)
-    os.unlink(path_ba)
+    seg_ab, out_ab = create_arena(size)
+    seg_ba, out_ba = create_arena(size)
+    in_ab, in_ba = open_arena(seg_ab.name, size), open_arena(seg_ba.name, size)
+    seg_ab.close()
+    seg_ba.close()
     sa, sb = Sink(), Sink()
     ta = TcpTransport(0, {1: a}, sa, {1: (out_ab, in_ba)})
     tb = TcpTransport(1, {0: b}, sb, {0: (out_ba, in_ab)})
@@ -325,15 +325,20 @@ def test_a_peer_dying_mid_payload_is_reported_at_once() -> None:
 
 
 def test_arena_files_are_private_and_refuse_impostors(tmp_path: object) -> None:
-    path, arena = create_arena(1 << 16)
+    segment, arena = create_arena(1 << 16)
     try:
-        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert os.fstat(segment.fd).st_mode & 0o777 == 0o600
         with pytest.raises(ValueError):
             open_arena("/etc/passwd", 1 << 16)
         with pytest.raises(ValueError):
-            open_arena(path, 1 << 17)  # wrong size
+            open_arena(segment.name, 1 << 17)  # wrong size
+        with open(__file__) as other:  # a descriptor of ours that is no segment
+            pid, _, dev, ino = segment.name.split(":")[1:]
+            with pytest.raises(ValueError):
+                open_arena(f"memfd:{pid}:{other.fileno()}:{dev}:{ino}", 1 << 16)
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"asyncreduce-{pid}-")]
     finally:
-        os.unlink(path)
+        segment.close()
         arena.close()
 
 
@@ -341,9 +346,9 @@ def test_arena_never_deadlocks_on_the_skipped_tail() -> None:
     """The transport's protocol (write while room; reader consumes in order and credits in
     batches) never leaves a writer waiting with nothing left for the reader to consume."""
     size = 1 << 16
-    path, writer = create_arena(size)
-    reader = open_arena(path, size)
-    os.unlink(path)
+    segment, writer = create_arena(size)
+    reader = open_arena(segment.name, size)
+    segment.close()
     sizes = np.random.default_rng(0).integers(1, writer.window // 2 + 1, 3000)
     in_flight: list[int] = []
     for n in map(int, sizes):

@@ -40,7 +40,7 @@ from .launchers import Place, Rendezvous, detect
 from .protocol.operation import Settings
 from .rendezvous import PrefixStore, Store, TCPStore, gather, store_from_env_or_args
 from .transport.mesh import connect_mesh
-from .transport.shm import Arena, create_arena, host_identity, open_arena
+from .transport.shm import Arena, Segment, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport
 
 __all__ = ["connect", "init"]
@@ -320,8 +320,10 @@ def _share_memory(
     """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)},
     and for every other peer why it is TCP only.
 
-    Arena files are unlinked once every rank has mapped its arenas, so nothing is left behind
-    however the job ends. ASYNCREDUCE_SHM=0 on either side of a pair keeps it on TCP.
+    Arenas are anonymous segments (transport/shm.py), never named in /dev/shm, so nothing is
+    left behind however the job ends (a rank killed while it waits here included); each rank
+    closes its descriptors once every rank has mapped its arenas. ASYNCREDUCE_SHM=0 on either
+    side of a pair keeps it on TCP.
     """
     host, enabled = identities[rank].rsplit(b"|", 1)
     local, tcp_only = [], {}
@@ -337,12 +339,12 @@ def _share_memory(
             tcp_only[p] = f"ASYNCREDUCE_SHM=0 on rank {p}"
         else:
             local.append(p)
-    outgoing: dict[int, tuple[str, Arena]] = {}
+    outgoing: dict[int, tuple[Segment, Arena]] = {}
     arenas: dict[int, tuple[Arena, Arena]] = {}
     try:
         for peer in local:
             outgoing[peer] = create_arena()
-            store.set(f"shm/{rank}/{peer}", outgoing[peer][0].encode())
+            store.set(f"shm/{rank}/{peer}", outgoing[peer][0].name.encode())
         for peer in local:
             theirs = store.get(f"shm/{peer}/{rank}", _remaining(deadline)).decode()
             arenas[peer] = (outgoing[peer][1], open_arena(theirs))
@@ -354,8 +356,8 @@ def _share_memory(
             incoming.close()
         raise
     finally:
-        for path, _ in outgoing.values():
-            os.unlink(path)
+        for segment, _ in outgoing.values():
+            segment.close()
     return arenas, tcp_only
 
 

@@ -1,10 +1,11 @@
 """Shared windows: arrays every rank on this host can read, so their allreduce moves no payload.
 
 Theory of operation. ``Communicator.shared_empty`` is collective. Every rank creates a private
-file in /dev/shm (mode 0600, unguessable name, like the arenas) and maps it; the ranks
-allgather each file's name and size, map each other's files, pass a barrier and unlink their
-own, so nothing is left behind however the job ends. The caller gets a numpy array on its own
-mapping. An allreduce whose buffer lies inside a window runs ``SharedAllreduce``: the ranks
+anonymous shared-memory segment (mode 0600, like the arenas: transport/shm.py) and maps it;
+the ranks allgather each segment's name and size, map each other's, pass a barrier and close
+their own descriptor. Nothing is named in /dev/shm, so nothing is left behind however the job
+ends, even a rank killed while it waits here for the others. The caller gets a numpy array on
+its own mapping. An allreduce whose buffer lies inside a window runs ``SharedAllreduce``: the ranks
 read each other's buffers in place instead of sending them (see algorithms/shared.py). The
 window's number travels in the operation's descriptor, so a rank whose buffer is not in the
 same window fails the operation with a MismatchError instead of running another algorithm.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import mmap
 import operator
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +31,8 @@ from .transport.shm import create_segment, open_segment
 
 __all__ = ["Window", "WindowError", "Windows", "array_layout"]
 
-#: One rank's entry in the allgather: its file's size and the window's number (8 bytes each),
-#: then the file's path (NUL-padded).
+#: One rank's entry in the allgather: its segment's size and the window's number (8 bytes
+#: each), then the segment's name (NUL-padded).
 RECORD_BYTES = 256
 _HEAD = 16
 
@@ -60,10 +60,10 @@ class Window:
         return start if start >= 0 and start + nbytes <= self.mine.nbytes else None
 
 
-def _record(path: str, size: int, ident: int) -> Array:
-    encoded = path.encode()
+def _record(name: str, size: int, ident: int) -> Array:
+    encoded = name.encode()
     if len(encoded) > RECORD_BYTES - _HEAD:
-        raise WindowError(f"shared-memory path too long: {path!r}")
+        raise WindowError(f"shared-memory segment name too long: {name!r}")
     head = size.to_bytes(8, "little") + ident.to_bytes(8, "little")
     record: Array = np.frombuffer(head + encoded.ljust(RECORD_BYTES - _HEAD, b"\0"), np.uint8)
     owned: Array = record.copy()
@@ -71,10 +71,10 @@ def _record(path: str, size: int, ident: int) -> Array:
 
 
 def _parse(record: Array) -> tuple[str, int, int]:
-    """(path, size, window number) of one rank's record."""
+    """(segment name, size, window number) of one rank's record."""
     raw = record.tobytes()
-    path = raw[_HEAD:].rstrip(b"\0").decode(errors="replace")
-    return path, int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
+    name = raw[_HEAD:].rstrip(b"\0").decode(errors="replace")
+    return name, int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
 
 
 class Windows:
@@ -95,23 +95,23 @@ class Windows:
         """A new window of ``nbytes`` (collective: ``exchange`` allgathers one record per rank,
         ``barrier`` waits for every rank); its ``mine`` is this rank's part as uint8. An
         unlisted one (the lane's mailboxes) is not looked up for allreduces. Raises
-        WindowError if a file cannot be made or mapped, or the ranks disagree about the
+        WindowError if a segment cannot be made or mapped, or the ranks disagree about the
         window's number (they called in different orders); what ``exchange`` and ``barrier``
         raise (a timeout, a broken communicator) passes through."""
         size = max(nbytes, 1)  # an empty file cannot be mapped
         with self._lock:
             ident = len(self._windows) + 1
             try:
-                path, mapping = create_segment(size)
+                segment, mapping = create_segment(size)
             except OSError as exc:
                 raise WindowError(
-                    f"could not make a {size}-byte window in /dev/shm: {exc}"
+                    f"could not make a {size}-byte window in shared memory: {exc}"
                 ) from exc
             try:
-                peers = self._map_peers(rank, ident, exchange(_record(path, size, ident)))
+                peers = self._map_peers(rank, ident, exchange(_record(segment.name, size, ident)))
                 barrier()
             finally:
-                os.unlink(path)
+                segment.close()
             window = Window(
                 ident,
                 np.frombuffer(mapping, np.uint8)[:nbytes],
@@ -127,14 +127,14 @@ class Windows:
         for peer, record in enumerate(records):
             if peer == rank:
                 continue
-            path, size, theirs = _parse(record)
+            name, size, theirs = _parse(record)
             if theirs != ident:
                 raise WindowError(
                     f"rank {peer} made window {theirs} where rank {rank} made window {ident}: "
                     "call shared_empty in the same order on every rank"
                 )
             try:
-                peers[peer] = open_segment(path, size)
+                peers[peer] = open_segment(name, size)
             except (OSError, ValueError) as exc:
                 raise WindowError(f"could not map rank {peer}'s window: {exc}") from exc
         return peers

@@ -19,6 +19,12 @@ group's rank and size and the global ranks in it, and returns an ``AsyncReducePr
 
 ``communicator(group)`` hands out the communicator behind a group, so ``DataParallel`` and
 ``dist.*`` can share one set of connections.
+
+torch names each group's keys in the store by the group's name, and a group made after
+``destroy_process_group()`` gets the name, so the keys, of the one before (on purpose: so
+that ranks restarted after a failure agree). Each connect therefore meets under a generation
+of its own, drawn from a counter in that store (see ``_connect``): nothing of an earlier
+rendezvous is ever read.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..comm import Communicator
 from ..errors import UsageError
 from ..launchers import Place, Rendezvous
 from ..protocol.operation import Settings
+from ..rendezvous import PrefixStore
 from .staging import stager_for
 from .work import Work as _Work
 from .work import joined as _joined
@@ -319,6 +326,8 @@ def _split(t: torch.Tensor, sizes: list[int], parts: int) -> list[torch.Tensor]:
 _WORLD: dict[str, tuple[Communicator, tuple[int, ...]]] = {}  # "comm": (it, its global ranks)
 _GROUPS: dict[int, Communicator] = {}  # id(process group) -> the communicator users get
 _LOCK = threading.Lock()
+
+
 def _create(options: Any, backend_options: Any) -> AsyncReduceProcessGroup:
     """torch's call for each new process group of this backend (extended API)."""
     rank, size = options.group_rank, options.group_size
@@ -352,11 +361,26 @@ def _forget(comm: Communicator) -> None:
 
 
 def _connect(store: Any, rank: int, size: int, timeout: float) -> Communicator:
-    """A communicator for the first group, through torch's store (scoped to that group)."""
+    """A communicator for the first group, through torch's store (scoped to that group).
+
+    The keys of a group made after ``destroy_process_group()`` are those of the group before
+    it (torch reuses the name), and a rendezvous never deletes its keys: read as they are,
+    they hand this connect the last one's token, addresses and shared-memory paths. So each
+    connect meets under ``asyncreduce/<generation>/``, where the generation is drawn from the
+    store itself: every member adds 1 to one counter, and the ``size`` adds of one connect
+    are ``size * g + 1 .. size * (g + 1)``. No member of connect ``g + 1`` adds before every
+    member of connect ``g`` has (its mesh needed all of them), so each rank draws the same
+    ``g``, and it does so whether the process is the one that made the last group or one
+    started afresh (a count kept in the process would differ there). A connect some member
+    never reached leaves the counts out of step for that store: then the ranks meet in
+    different generations and fail at the group's timeout, naming the key they waited for.
+    """
     place = Place(rank, size, None, None, "torch.distributed", Rendezvous("agent"))
     deadline = time.monotonic() + timeout
-    return bootstrap.connect(C10dStore(store, timeout, _store_host(store)), place, deadline,
-                             Settings.from_env(), serving=False)  # fmt: skip
+    shared = C10dStore(store, timeout, _store_host(store))
+    generation = (shared.add("asyncreduce/connects", 1) - 1) // size
+    return bootstrap.connect(PrefixStore(f"asyncreduce/{generation}/", shared), place,
+                             deadline, Settings.from_env(), serving=False)  # fmt: skip
 
 
 def _store_host(store: Any) -> str | None:
@@ -386,4 +410,3 @@ def register() -> None:
     if BACKEND in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-

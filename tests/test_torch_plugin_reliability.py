@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -20,7 +23,8 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-import asyncreduce.torch  # noqa: E402, F401  (registers the backend)
+import asyncreduce.torch as art  # noqa: E402
+from asyncreduce.errors import UsageError  # noqa: E402
 from spmd import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
@@ -64,3 +68,43 @@ def test_destroy_then_init_again_over_one_store_meets_afresh() -> None:
         for attempt, (took, value) in enumerate(rounds):
             assert value == [3.0 + 2 * attempt] * 4, (rank, attempt, value)
             assert took < 5.0, f"rank {rank}, attempt {attempt}: {took:.1f} s"
+
+
+# ---- item 11: communicator() of a destroyed group ------------------------------------------
+
+
+def body_destroyed_group(rank: int, n: int, port: int) -> dict[str, Any]:
+    _init(rank, n, port)
+    pg = dist.distributed_c10d._get_default_group()
+    sub = dist.new_group([0, 1])
+    comm, sub_comm = art.communicator(pg), art.communicator(sub)
+    refs = [weakref.ref(comm), weakref.ref(sub_comm)]
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+    try:
+        art.communicator(gloo)
+        out["gloo"] = "no error"
+    except UsageError as exc:
+        out["gloo"] = str(exc)
+    dist.destroy_process_group()
+    del comm, sub_comm, gloo
+    for label, group in (("world", pg), ("sub", sub)):
+        try:
+            found = art.communicator(group)
+            out[label] = f"no error: got {found!r} (closed: {found._closed})"
+            del found
+        except UsageError as exc:
+            out[label] = f"UsageError: {exc}"
+    del pg, sub, group
+    gc.collect()
+    out["alive"] = [ref() is not None for ref in refs]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_the_communicator_of_a_destroyed_group_is_an_error_and_is_freed() -> None:
+    for rank, out in run_ranks(2, body_destroyed_group, connect=False, timeout=60).items():
+        assert "not a process group of the asyncreduce backend" in out["gloo"], (rank, out)
+        assert out["world"].startswith("UsageError") and "destroyed" in out["world"], (rank, out)
+        assert out["sub"].startswith("UsageError") and "destroyed" in out["sub"], (rank, out)
+        assert out["alive"] == [False, False], f"rank {rank}: a registry keeps {out['alive']}"

@@ -18,7 +18,8 @@ group's rank and size and the global ranks in it, and returns an ``AsyncReducePr
   (an error is set on the future), as Gloo's are.
 
 ``communicator(group)`` hands out the communicator behind a group, so ``DataParallel`` and
-``dist.*`` can share one set of connections.
+``dist.*`` can share one set of connections. The group itself holds it (no registry keyed by
+anything a later group could share), and lets go of it when torch shuts the group down.
 
 torch names each group's keys in the store by the group's name, and a group made after
 ``destroy_process_group()`` gets the name, so the keys, of the one before (on purpose: so
@@ -76,6 +77,9 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._timeout: float | None = None
         self._owns = owns  # the communicator this group connected, closed with it
         self._staged_count = 0  # staged operations posted so far (see _staged_name)
+        # what communicator(pg) hands out (set by _create); None once torch shut it down
+        self._users: Communicator | None = None
+        self._ended = ""  # how it ended (destroyed, aborted), for communicator()
 
     # ---- what torch asks of a process group ------------------------------------------------
 
@@ -260,12 +264,14 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
 
     def shutdown(self) -> None:
+        self._ended, self._users = "was destroyed (torch shut it down)", None
         self._comm.close()
         if self._owns is not None:
             _forget(self._owns)
             self._owns.close()
 
     def abort(self) -> None:
+        self._ended, self._users = "was aborted", None
         self._comm.abort("torch.distributed aborted the process group")
         if self._owns is not None:
             _forget(self._owns)
@@ -324,7 +330,6 @@ def _split(t: torch.Tensor, sizes: list[int], parts: int) -> list[torch.Tensor]:
 # ---- creating process groups -----------------------------------------------------------------
 
 _WORLD: dict[str, tuple[Communicator, tuple[int, ...]]] = {}  # "comm": (it, its global ranks)
-_GROUPS: dict[int, Communicator] = {}  # id(process group) -> the communicator users get
 _LOCK = threading.Lock()
 
 
@@ -350,7 +355,7 @@ def _create(options: Any, backend_options: Any) -> AsyncReduceProcessGroup:
     # operations never mix with torch's on the group). Made here, as every member makes pg.
     users = base if len(indices) == base.world_size else base.group(indices)
     pg = AsyncReduceProcessGroup(group, rank, size, timeout, owns)
-    _GROUPS[id(pg)] = users
+    pg._users = users
     return pg
 
 
@@ -397,12 +402,21 @@ def _store_host(store: Any) -> str | None:
 
 def communicator(group: Any = None) -> Communicator:
     """The communicator behind an asyncreduce process group (default: the default group):
-    ``DataParallel`` on it shares the group's connections."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    found = _GROUPS.get(id(pg))
-    if found is None:
-        raise UsageError(f"{pg!r} is not a process group of the asyncreduce backend")
-    return found
+    ``DataParallel`` on it shares the group's connections. A group that torch has shut down
+    (``destroy_process_group``) or aborted, or whose communicator was closed, has none."""
+    if group is None:
+        if not dist.is_initialized():
+            raise UsageError("no default process group: call "
+                             'dist.init_process_group("asyncreduce") first')  # fmt: skip
+        group = dist.distributed_c10d._get_default_group()
+    if not isinstance(group, AsyncReduceProcessGroup):
+        raise UsageError(f"{group!r} is not a process group of the asyncreduce backend")
+    users = group._users
+    if users is None or users._closed or users._parent is not None and users._parent._closed:
+        why = group._ended or "has a closed communicator"
+        raise UsageError(f"{group!r} {why}; make a new process group (its communicator "
+                         "has been closed and is not handed out)")  # fmt: skip
+    return users
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ import os
 import time
 import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 import asyncreduce.torch as art  # noqa: E402
 from asyncreduce.errors import UsageError  # noqa: E402
@@ -108,3 +110,38 @@ def test_the_communicator_of_a_destroyed_group_is_an_error_and_is_freed() -> Non
         assert out["world"].startswith("UsageError") and "destroyed" in out["world"], (rank, out)
         assert out["sub"].startswith("UsageError") and "destroyed" in out["sub"], (rank, out)
         assert out["alive"] == [False, False], f"rank {rank}: a registry keeps {out['alive']}"
+
+
+# ---- item 12: torch.distributed.checkpoint.async_save -------------------------------------
+
+
+def body_async_checkpoint(rank: int, n: int, port: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    _init(rank, n, port)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+        saved = {"model": model.state_dict(), "step": torch.tensor(7)}
+        devices = dist.distributed_c10d._device_capability()
+        future = dcp.async_save(saved, checkpoint_id=path)
+        future.result()  # (a Future: the upload ran on a thread, with this group's collectives)
+        fresh = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+        for p in fresh.parameters():
+            nn.init.zeros_(p)
+        loaded = {"model": fresh.state_dict(), "step": torch.tensor(0)}
+        dcp.load(loaded, checkpoint_id=path)
+        return {"devices": devices, "step": int(loaded["step"]),
+                "diff": max(float((loaded["model"][k] - v).abs().max())
+                            for k, v in saved["model"].items())}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_async_checkpoint_saves_and_loads_on_the_backend(tmp_path: Path) -> None:
+    results = run_ranks(2, body_async_checkpoint, str(tmp_path / "ckpt"), connect=False,
+                        timeout=60)  # fmt: skip
+    for rank, out in results.items():
+        assert "cpu" in out["devices"], (rank, out)
+        assert out["step"] == 7 and out["diff"] == 0.0, (rank, out)

@@ -53,6 +53,7 @@ from .work import joined as _joined
 __all__ = ["AsyncReduceProcessGroup", "communicator", "register"]
 
 BACKEND = "asyncreduce"
+DEVICES = ("cpu", "cuda")  # what it is registered for, and what its groups say they serve
 _OPS: dict[int, str] = {
     int(op): name  # type: ignore[call-overload]  # (pybind enums are ints at run time)
     for op, name in (
@@ -100,6 +101,14 @@ class AsyncReduceProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _get_backend(self, device: torch.device) -> Any:
         return self  # FSDP2 and DeviceMesh ask; this group serves every device it runs on
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        # torch reads the devices of a group from the backends registered with it in C++;
+        # this group is its own backend and registers none, so it says which here (as Gloo's
+        # says cuda and cpu). torch.distributed.checkpoint.async_save needs "cpu" among them;
+        # object collectives and state-dict broadcasts pick their device from them.
+        return [torch.device(d) for d in DEVICES]
 
     @property
     def supports_splitting(self) -> bool:
@@ -423,4 +432,4 @@ def register() -> None:
     """Make "asyncreduce" a torch.distributed backend (done by ``import asyncreduce.torch``)."""
     if BACKEND in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))

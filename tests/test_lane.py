@@ -347,6 +347,64 @@ def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
     assert str(request.exception(timeout=0)) == mine.label
 
 
+class Interrupted:
+    """``Lane.run``'s ``adopt`` whose first call raises ``error`` (a signal handler's
+    exception landing in it), and later ones hand over ``op``."""
+
+    def __init__(self, op: LaneOp, error: type[BaseException]) -> None:
+        self.op, self.error, self.calls = op, error, 0
+
+    def __call__(self) -> LaneOp:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error()
+        return self.op
+
+
+@pytest.mark.parametrize("where", ["wait", "collect", "adopt"])
+def test_an_exception_in_run_after_it_published_leaves_the_operation_to_the_lane(
+    where: str, kind: type[Mailbox]
+) -> None:
+    """A signal handler's exception (KeyboardInterrupt) lands in ``run`` after it published:
+    in the spin's wait, in its look at the peers' slots, or in ``adopt`` as the spin gives up.
+    It reaches the caller, and the operation stays the lane's, completed as any other: the
+    peer's comes, and 2 x SLOTS more go through on both ranks (an operation lost after its
+    publish froze this rank's ``through``, so every rank's slots, after SLOTS more)."""
+    world = World(2, kind)
+    lane, mailbox = world.lanes[0], world.lanes[0].mailbox
+    mine = lane_op(0, np.full(2, 1.0, np.float32))
+    adopt: Adopted | Interrupted = Adopted(mine)
+    if where == "adopt":
+        adopt = Interrupted(mine, KeyboardInterrupt)
+    else:
+
+        def once(*args: Any) -> Any:
+            delattr(mailbox, where)  # the mailbox's own from now on
+            raise KeyboardInterrupt
+
+        setattr(mailbox, where, once)
+    with pytest.raises(KeyboardInterrupt):
+        lane.run(0, mine.header, mine.buf.flat, mine.buf.dtype, "sum", None, adopt)
+    assert not mine.request.done()
+    theirs = [lane_op(0, np.full(2, 2.0, np.float32))]
+    post(world.lanes[1], theirs[0])
+    ours = [mine]
+    for s in range(1, 2 * SLOTS + 1):
+        ours.append(lane_op(s, np.full(2, float(s), np.float32)))
+        theirs.append(lane_op(s, np.full(2, 10.0 * s, np.float32)))
+        post(lane, ours[-1])
+        post(world.lanes[1], theirs[-1])
+    for each in world.lanes:
+        each.progress()
+    for s, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        want = [3.0] * 2 if s == 0 else [11.0 * s] * 2
+        assert a.request.done() and b.request.done(), (s, lane._through, lane._next)
+        assert a.request.result(timeout=0).tolist() == b.request.result(timeout=0).tolist() == want
+    assert mine.buf.original.tolist() == [3.0] * 2  # (the caller's buffer: the result, late)
+    assert not any(each.busy for each in world.lanes)
+    assert lane._through == world.lanes[1]._through == 2 * SLOTS + 1
+
+
 def _lane_of(comm: ar.Communicator) -> Lane | None:
     return getattr(comm._backend, "lane", None)
 
@@ -513,6 +571,61 @@ def test_a_close_from_another_thread_ends_a_blocking_lane_allreduce() -> None:
     got = run_ranks(2, body_closed_during_run)[0]
     assert 0.25 < got["took"] < 5, got
     assert "allreduce #" in got["message"], got
+
+
+def body_interrupted_in_run(comm: ar.Communicator, error: str) -> dict[str, Any]:
+    """Rank 0's first blocking lane allreduce is interrupted after it published, by
+    ``error`` raised where a signal handler's lands most often (the spin's wait); it catches
+    it and goes on, as both ranks do, with 40 more. A watchdog aborts after 5 s, noting the
+    lane's state (a lost operation froze the slots SLOTS later, with no error)."""
+    lane = _lane_of(comm)
+    assert lane is not None
+    raised = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[error]
+    if comm.rank == 0:
+        mailbox = lane.mailbox
+
+        def interrupted(seq: int, seconds: float) -> bool:
+            delattr(mailbox, "wait")  # once: the mailbox's own from now on
+            raise raised()
+
+        mailbox.wait = interrupted  # type: ignore[method-assign]
+    stuck: dict[str, Any] = {}
+
+    def note() -> None:  # (both ranks, before either aborts)
+        stuck.update(through=lane._through, next=lane._next, unpublished=sorted(lane._unpublished))
+
+    timers = [threading.Timer(4.8, note), threading.Timer(5.0, comm.abort, ("the lane is stuck",))]
+    for timer in timers:
+        timer.start()
+    xs = [np.full(4, float(i + comm.rank), np.float32) for i in range(41)]
+    done = caught = 0
+    start = time.monotonic()
+    try:
+        for x in xs:
+            try:
+                comm.allreduce(x)
+                done += 1
+            except raised:
+                caught += 1
+    except ar.BrokenError:
+        pass
+    finally:
+        for timer in timers:
+            timer.cancel()
+    return {"done": done, "caught": caught, "took": time.monotonic() - start, "stuck": stuck,
+            "values": [float(x[0]) for x in xs]}  # fmt: skip
+
+
+@pytest.mark.parametrize("error", ["KeyboardInterrupt", "SystemExit"])
+def test_an_exception_in_a_blocking_lane_allreduce_leaves_the_lane_going(error: str) -> None:
+    """The interrupted allreduce completes on both ranks (on rank 0 its caller got the
+    exception, and the result lands in its buffer all the same), and so do the 40 after it,
+    within 5 s."""
+    results = run_ranks(2, body_interrupted_in_run, error)
+    for rank, got in results.items():
+        assert not got["stuck"] and got["took"] < 5, (rank, got)
+        assert (got["done"], got["caught"]) == ((40, 1) if rank == 0 else (41, 0)), (rank, got)
+        assert got["values"] == [2.0 * i + 1 for i in range(41)], (rank, got)
 
 
 def body_unnamed_ahead_of_a_named_one(comm: ar.Communicator) -> int:

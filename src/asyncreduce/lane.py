@@ -113,7 +113,7 @@ class Lane:
         self._unpublished: dict[int, tuple[Header, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
         self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
-        self._finished: set[int] = set()  # done with, above ``_through``
+        self._finished: dict[int, None] = {}  # done with, above ``_through`` (``_done_with``)
         self._through = 0
         self._closed = False
         self.completed = 0  # operations this lane completed itself (diagnostics, tests)
@@ -139,8 +139,12 @@ class Lane:
         """Start ``op`` with ``request``: publish its contribution (now, if its slot is free)
         and complete it if every peer's is there already."""
         op.request = request
-        with self._lock:
-            self._post(op)
+        try:
+            with self._lock:
+                self._post(op)
+        except BaseException:
+            self._rescue(op.seq, lambda: op)
+            raise
 
     def run(
         self, seq: int, head: Header, flat: Array, dtype: DType, op: str,
@@ -154,52 +158,66 @@ class Lane:
         request is returned for the caller to wait on: others in the lane (it is posted
         behind them), a peer that runs it elsewhere or disagrees (the engine decides), a peer
         not there within the spin (the progress thread watches it from then on: deadlines
-        and failures), the lane closed."""
+        and failures), the lane closed.
+        Whatever it raises (a signal handler's exception lands in the spin most often), the
+        operation stays the lane's (``_rescue``)."""
         mailbox = self.mailbox
-        with self._lock:
-            if (self._closed or self._pending or self._unpublished or seq != self._next
-                    or not mailbox.free(seq)):  # fmt: skip
-                made = adopt()
-                self._post(made)
-                return made.request
-            self._publish(seq, head, flat)
-        spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
-        end = 0.0  # (set after the first look: most operations need no clock)
-        while True:
-            if not mailbox.wait(seq, spin):
-                os.sched_yield()
+        try:
             with self._lock:
-                if self._closed:
+                if (self._closed or self._pending or self._unpublished or seq != self._next
+                        or not mailbox.free(seq)):  # fmt: skip
                     made = adopt()
-                    made.request.set_exception(self._closed_with(made))
+                    self._post(made)
                     return made.request
-                state = mailbox.collect(seq, head, flat, dtype, op)
-                if state == AGREED:
-                    self._done_with(seq)
-                    self.completed += 1
-                    self.ran += 1
-                    self.moved_at = time.monotonic()
-                    return None
-                now = time.monotonic()
-                end = end or now + spin
-                if state != WAITING or now >= end:
-                    made = adopt()
-                    made.request.mover = self
-                    self._pending[seq] = made
-                    self._advance()  # (completes it if a peer runs it elsewhere or disagrees)
-                    break
-                spin = end - now
+                self._publish(seq, head, flat)
+            spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
+            end = 0.0  # (set after the first look: most operations need no clock)
+            while True:
+                if not mailbox.wait(seq, spin):
+                    os.sched_yield()
+                with self._lock:
+                    if self._closed:
+                        made = adopt()
+                        made.request.set_exception(self._closed_with(made))
+                        return made.request
+                    state = mailbox.collect(seq, head, flat, dtype, op)
+                    if state == AGREED:
+                        self._done_with(seq)
+                        self.completed += 1
+                        self.ran += 1
+                        self.moved_at = time.monotonic()
+                        return None
+                    now = time.monotonic()
+                    end = end or now + spin
+                    if state != WAITING or now >= end:
+                        made = adopt()
+                        made.request.mover = self
+                        self._pending[seq] = made
+                        self._advance()  # (completes it if a peer runs it elsewhere or disagrees)
+                        break
+                    spin = end - now
+        except BaseException:
+            self._rescue(seq, adopt)
+            raise
         self._wake()  # the progress thread watches it now: it must not doze
         return made.request
 
     def note(self, seq: int, desc: Descriptor) -> None:
-        """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
+        """Unnamed operation ``seq`` runs on the engine: say so in its slot (whatever is
+        raised meanwhile: see ``_rescue``)."""
         with self._lock:
             if self._closed:
                 return  # (the engine refuses the operation itself)
-            self._unpublished[seq] = (header(ELSEWHERE, desc), None)
-            self._done_with(seq)
-            self._advance()
+            try:
+                self._unpublished[seq] = (header(ELSEWHERE, desc), None)
+                self._done_with(seq)
+                self._advance()
+            except BaseException:
+                if seq >= self._next and seq not in self._unpublished:
+                    self._unpublished[seq] = (header(ELSEWHERE, desc), None)
+                if not (seq < self._through or seq in self._finished):
+                    self._done_with(seq)
+                raise
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Move the lane from the waiting thread until ``request`` is done, yielding the core
@@ -215,9 +233,11 @@ class Lane:
         now = time.monotonic()
         end, last = now + spin, (now + timeout if timeout is not None else math.inf)
         seen = awaited  # the operation the lane waited for at the last look that got the lock
-        with self._lock:
-            self.drivers += 1
+        counted = False  # (set with the count: an exception cannot land between them)
         try:
+            with self._lock:
+                self.drivers += 1
+                counted = True
             while True:
                 if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
                     os.sched_yield()
@@ -233,8 +253,9 @@ class Lane:
                 if now >= end:
                     break
         finally:
-            with self._lock:
-                self.drivers -= 1
+            if counted:
+                with self._lock:
+                    self.drivers -= 1
         if not request.done():
             self._wake()  # it waits on the progress thread now: that must not doze
 
@@ -244,14 +265,16 @@ class Lane:
 
     def _look(self) -> int:
         """Publish and complete what can be, unless another thread is moving the lane; then
-        the operation whose peers the lane waits for (``_awaited``), or -1."""
-        if not self._lock.acquire(blocking=False):
+        the operation whose peers the lane waits for (``_awaited``), or -1. (``with``, not a
+        try after a non-blocking acquire: an exception a signal handler raises as that call
+        returns would leave the lock held for good; another thread that takes it between the
+        look and the ``with`` holds it for a few microseconds.)"""
+        lock = self._lock
+        if lock.locked():
             return -1
-        try:
+        with lock:
             self._advance()
             return self._awaited()
-        finally:
-            self._lock.release()
 
     def wake(self) -> None:
         """Have the progress thread look soon (a request nobody may wait on)."""
@@ -302,7 +325,33 @@ class Lane:
             self._unpublished.clear()  # nobody will read them: the peers hear of the close
             self.mailbox.release()
 
+    def _rescue(self, seq: int, made: Callable[[], LaneOp]) -> None:
+        """``post`` or ``run`` of ``seq`` raised, wherever in it (an exception a signal
+        handler raises, e.g. Ctrl-C caught by a loop, ``sys.exit`` from a preemption handler,
+        an alarm, lands mostly in ``run``'s spin): unless the lane is closed, done with
+        ``seq`` or has it pending already, the operation (``made()``) becomes an ordinary
+        pending one, published now or in its turn, which the progress thread completes or
+        fails as any other, on every rank alike. Lost, it would hold ``through`` back for
+        good, and with it every rank's slots SLOTS operations later, with no error."""
+        with self._lock:
+            if self._closed or seq < self._through or seq in self._finished:
+                return
+            op = self._pending.get(seq)
+            if op is None:
+                op = made()
+                op.request.mover = self
+                self._pending[seq] = op
+            if seq >= self._next and seq not in self._unpublished:
+                self._unpublished[seq] = (op.header, op)
+            self._advance()
+        self._wake()
+
     # ---- under the lock --------------------------------------------------------------------
+    # Ordered for exceptions raised at any point (a signal handler's, on the caller's thread,
+    # lands at a call or a loop's jump back, never between two plain stores): a publish drops
+    # its ``_unpublished`` entry only in the step that moves ``_next`` (an interrupted one is
+    # made again, the same bytes), and an operation leaves ``_pending`` in the step that
+    # counts it done with (``_done_with``).
 
     def _post(self, op: LaneOp) -> None:
         if self._closed:
@@ -317,8 +366,10 @@ class Lane:
             return  # (a waiter may still drive: its request failed already)
         unpublished = self._unpublished
         while self._next in unpublished and self.mailbox.free(self._next):
-            head, posted = unpublished.pop(self._next)
-            self._publish(self._next, head, None if posted is None else posted.buf.flat)
+            seq = self._next
+            head, posted = unpublished[seq]
+            self._publish(seq, head, None if posted is None else posted.buf.flat)
+            del unpublished[seq]
         pending = self._pending
         if len(pending) == 1:  # the usual case: no list, no sort
             op = next(iter(pending.values()))
@@ -339,9 +390,9 @@ class Lane:
         return seq if seq < self._next else -1
 
     def _publish(self, seq: int, head: Header, data: Array | None) -> None:
-        self.mailbox.publish(seq, head, data)
-        self._next = seq + 1
         self.moved_at = time.monotonic()
+        self.mailbox.publish(seq, head, data)
+        self._next = seq + 1  # (then nothing but the caller's plain steps: see above)
 
     def _ordered(self) -> list[LaneOp]:
         pending = self._pending
@@ -354,30 +405,40 @@ class Lane:
         state = self.mailbox.collect(seq, op.header, buf.flat, buf.dtype, op.op)
         if state == WAITING:
             return False
-        del self._pending[seq]
+        self._done_with(seq)  # (no longer pending)
         self.moved_at = time.monotonic()
         if state != AGREED:
-            self._done_with(seq)
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
-        self._done_with(seq)
         self.completed += 1
         op.request.set_result(op.result())
         return True
 
     def _done_with(self, seq: int) -> None:
-        if seq != self._through:  # an earlier one is not done yet
-            self._finished.add(seq)
-            return
-        self._through += 1
-        while self._through in self._finished:
-            self._finished.discard(self._through)
-            self._through += 1
-        self.mailbox.done_through(self._through)
+        """Count ``seq`` done with (no longer pending) and tell the peers how far this rank
+        is through. It leaves ``_pending`` in the step that counts it (no call between); an
+        exception later in here leaves ``_through`` behind ``_finished``, caught up with at
+        the next call, and the peers' counter lags at most until then."""
+        pending, finished = self._pending, self._finished
+        if seq in pending:
+            del pending[seq]
+        through = self._through
+        if seq == through and not finished:  # the usual case: in order
+            self._through = through = seq + 1
+        else:
+            finished[seq] = None
+            while through in finished:
+                through += 1
+            if through == self._through:
+                return  # an earlier one is not done with yet
+            self._through = through
+            for done in [s for s in finished if s < through]:
+                del finished[done]
+        self.mailbox.done_through(through)
 
     def _fail(self, op: LaneOp, error: BaseException) -> None:
-        if self._pending.pop(op.seq, None) is None:
+        if op.seq not in self._pending:
             return
         if op.seq in self._unpublished:  # peers still wait for its slot: it says "elsewhere"
             self._unpublished[op.seq] = (header(ELSEWHERE, op.desc), None)

@@ -753,6 +753,56 @@ def test_a_peer_killed_while_the_others_wait_in_the_lane_breaks_them() -> None:
         assert results[rank]["took"] < 10, results[rank]
 
 
+def body_goodbye_after_its_slots(comm: ar.Communicator) -> list[tuple[str, Any]]:
+    """Rank 2 posts unnamed allreduces k and k + 1 (its slots hold both) and closes. Rank 0
+    posts k and waits; rank 1 posts k only after rank 0 read the goodbye, and before rank 1
+    reads it (its progress thread is held in the goodbye). Then both post k + 1 (after the
+    goodbye, everywhere) and k + 2, which rank 2 never posted."""
+    comm.barrier(name="start")
+    mine = float(comm.rank + 1)
+    if comm.rank == 2:
+        comm.iallreduce(np.full(4, mine, np.float32))
+        comm.iallreduce(np.full(4, mine, np.float32))
+        comm.close()
+        return []
+    held = threading.Event()
+    if comm.rank == 1:
+        session = comm._backend.engine.session  # type: ignore[union-attr]
+        read = session._on_goodbye
+
+        def on_goodbye(peer: int, reason: str) -> None:
+            held.wait(10)
+            read(peer, reason)
+
+        session._on_goodbye = on_goodbye  # type: ignore[method-assign]
+        time.sleep(1.0)  # rank 0 read the goodbye and looked at its lane by now
+    outcomes: list[tuple[str, Any]] = []
+    for i in range(3):
+        try:
+            got = comm.iallreduce(np.full(4, mine, np.float32)).wait(timeout=5)
+            outcomes.append(("done", got.tolist()))
+        except (ar.BrokenError, TimeoutError) as exc:
+            outcomes.append((type(exc).__name__, str(exc)))
+        held.set()  # (rank 1 reads the goodbye now)
+        if i == 0:
+            time.sleep(0.5)
+    return outcomes
+
+
+def test_a_goodbye_fails_only_what_still_needs_the_rank_that_left() -> None:
+    """Ranks 0 and 1 end each operation alike: k and k + 1 complete with rank 2's
+    contribution (its slots hold it, and its goodbye cannot take it back), however each
+    rank's post and its reading of the goodbye fell; k + 2 fails on both, naming rank 2."""
+    results = run_ranks(3, body_goodbye_after_its_slots)
+    ends = {rank: [kind for kind, _ in results[rank]] for rank in (0, 1)}
+    assert ends[0] == ends[1], results
+    for rank in (0, 1):
+        got = results[rank]
+        assert [kind for kind, _ in got] == ["done", "done", "BrokenError"], (rank, got)
+        assert got[0][1] == got[1][1] == [6.0] * 4, (rank, got)
+        assert "rank 2" in got[2][1], (rank, got)
+
+
 def body_callback_and_close(comm: ar.Communicator) -> dict[str, Any]:
     """A lane allreduce nobody waits on completes by the progress thread and runs its
     callback; then rank 0 posts one that rank 1 never posts, and closes: it fails with

@@ -44,7 +44,7 @@ from typing import Any
 from .algorithms import Array, DType
 from .buffers import Buffer
 from .envvars import env_number
-from .errors import ClosedError
+from .errors import BrokenError, ClosedError
 from .keys import Key
 from .mailbox import (
     AGREED,
@@ -289,11 +289,12 @@ class Lane:
 
     def watch(self, session: Session, now: float, silent: set[int]) -> None:
         """Fail what must fail, through ``session`` (its commands are the caller's to apply):
-        operations of a broken communicator, or after a peer's goodbye, past their deadline,
-        or waiting for a ``silent`` peer."""
+        operations of a broken communicator, or that still need a rank that said goodbye,
+        past their deadline, or waiting for a ``silent`` peer."""
         with self._lock:
             if not self._pending:
                 return
+            departed = session.liveness.departed
             for op in self._ordered():
                 if session.broken is not None:
                     earlier = session.matching.failed.get(op.key)
@@ -301,9 +302,7 @@ class Lane:
                              else broken_by(op, session.broken))  # fmt: skip
                     self._fail(op, error)
                     continue
-                refused = session.refusal(op.label) if session.liveness.departed else None
-                if refused is not None:
-                    self._fail(op, refused)
+                if departed and self._needs_departed(op, departed):
                     continue
                 late = bool(op.deadline) and now >= op.deadline
                 missing = self.mailbox.missing(op.seq) if late or silent else set()
@@ -312,6 +311,21 @@ class Lane:
                 elif missing & silent:
                     quiet, wait = missing & silent, session.settings.peer_timeout
                     self._fail_everywhere(session, op, silent_for(op, self.rank, quiet, wait))
+
+    def _needs_departed(self, op: LaneOp, departed: dict[int, str]) -> bool:
+        """Fail ``op`` here if a rank that said goodbye has not published it: it never will
+        (it closed its lane before its goodbye). Where its slot holds ``op``, ``op`` needs
+        nothing more of it and goes on. Every rank reads the same final slot after the same
+        goodbye, so each ends ``op`` alike with no word to the others (a word that broke
+        them could fail, on a rank that has not folded yet, an operation another completed),
+        whenever it posted ``op`` and read the goodbye. (The engine judges its operations
+        the same way: ``Session._fail_what_needs_the_departed``.)"""
+        gone = departed.keys() & self.mailbox.missing(op.seq)
+        if not gone:
+            return False
+        peer = min(gone)
+        self._fail(op, BrokenError(f"{op.label} still needed rank {peer}, but {departed[peer]}"))
+        return True
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)`` (and what ``run`` moves); later posts raise

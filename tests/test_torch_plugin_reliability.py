@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+import subprocess
+import sys
 import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,6 +34,7 @@ from asyncreduce.errors import UsageError  # noqa: E402
 from spmd import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _init(rank: int, n: int, port: int) -> None:
@@ -145,3 +150,93 @@ def test_async_checkpoint_saves_and_loads_on_the_backend(tmp_path: Path) -> None
     for rank, out in results.items():
         assert "cpu" in out["devices"], (rank, out)
         assert out["step"] == 7 and out["diff"] == 0.0, (rank, out)
+
+
+# ---- item 13: Lightning's Trainer, over Gloo and over ours -------------------------------
+
+LIGHTNING_SCRIPT = """
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+import asyncreduce.torch  # at module level: a spawned rank imports this module, not main()
+import lightning as L
+from lightning.pytorch.strategies import DDPStrategy
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Keep(L.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_end(self, trainer, module):
+        import torch.distributed as dist
+
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
+        np.save(f"{self.out}.{trainer.global_rank}.npy", flat)
+        print(f"rank {trainer.global_rank} ran on {dist.get_backend()}", flush=True)
+
+
+def main(backend, start, out):
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g),
+                                          torch.randn(64, 1, generator=g))
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=5, logger=False,
+                        strategy=DDPStrategy(process_group_backend=backend, start_method=start),
+                        callbacks=[Keep(out)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_lightning_ddp_over_asyncreduce_ends_where_it_ends_over_gloo(tmp_path: Path) -> None:
+    """docs/porting.md's Lightning lines, run: Gloo started as Lightning starts a script
+    (popen), ours in spawned processes (where the import must be at module level)."""
+    page = (ROOT / "docs/porting.md").read_text()
+    section = re.search(r"^## Lightning\n(.*?)(?=^## |\Z)", page, re.M | re.S)
+    assert section, "docs/porting.md has no Lightning section"
+    shown = "".join(re.findall(r"^```py\n(.*?)^```", section.group(1), re.M | re.S))
+    for line in ("import asyncreduce.torch", 'DDPStrategy(process_group_backend="asyncreduce")'):
+        assert line in shown, f"the page's Lightning code lacks {line!r}"
+    assert re.search(r"^import asyncreduce\.torch\b", shown, re.M), "not at module level"
+    assert re.search(r"^import asyncreduce\.torch\b", LIGHTNING_SCRIPT, re.M)
+    pytest.importorskip("lightning")
+    script = tmp_path / "job.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    launcher_vars = ("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "NODE_RANK")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
+    params = {}
+    for backend, start in (("gloo", "popen"), ("asyncreduce", "spawn")):
+        out = tmp_path / backend
+        argv = [sys.executable, str(script), backend, start, str(out)]
+        done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=100)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for rank in range(2):
+            assert f"rank {rank} ran on {backend}" in done.stdout, done.stdout[-3000:]
+        params[backend] = [np.load(f"{out}.{rank}.npy") for rank in range(2)]
+    for rank in range(2):
+        diff = float(np.abs(params["asyncreduce"][rank] - params["gloo"][rank]).max())
+        assert diff <= 1e-6, f"rank {rank}: {diff:.3g} off Gloo's"
+    assert np.array_equal(params["asyncreduce"][0], params["asyncreduce"][1])

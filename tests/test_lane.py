@@ -16,8 +16,10 @@ does not want the lane (ASYNCREDUCE_LANE=0, or no spinning), nobody uses it.
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import os
 import random
+import select
 import signal
 import threading
 import time
@@ -345,6 +347,51 @@ def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
     assert request is mine.request and adopt.calls == 1
     assert isinstance(request.exception(timeout=0), ar.BrokenError)
     assert str(request.exception(timeout=0)) == mine.label
+
+
+@pytest.mark.parametrize("call", ["test", "result", "exception"])
+def test_a_forked_child_cannot_move_an_inherited_lane_request(
+    call: str, kind: type[Mailbox]
+) -> None:
+    """A child forked while a lane request is pending (a DataLoader worker: fork by
+    default): ``test()``, ``result()`` or ``exception()`` on it raises UsageError there and
+    writes nothing into the mailbox it shares with the parent (MAP_SHARED). A child that
+    completed it would move the parent's ``through``, and peers would reuse slots the
+    parent has not read. The parent still completes it."""
+    regions = [np.frombuffer(mmap.mmap(-1, region_bytes()), np.uint8) for _ in range(2)]
+    lanes = [Lane(kind(r, regions[r], {1 - r: regions[1 - r]}), r, 2, lambda op: None)
+             for r in range(2)]  # fmt: skip
+    mine = lane_op(0, np.ones(4, np.float32))
+    post(lanes[0], mine)
+    post(lanes[1], lane_op(0, np.full(4, 2.0, np.float32)))  # one look would complete it
+    before = regions[0].tobytes()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what the call did, and leave at once
+        try:
+            try:
+                getattr(mine.request, call)(*(() if call == "test" else (0.5,)))
+                outcome = "returned"
+            except BaseException as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            os.write(write, outcome.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 20)
+        outcome = os.read(read, 4096).decode() if ready else "no answer within 20 s"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    written = regions[0].tobytes() != before  # (the parent's ``through`` is its first word)
+    through = int(regions[0][:8].view(np.int64)[0])
+    assert outcome.startswith("UsageError") and "forked" in outcome and not written, (
+        outcome, f"mailbox written: {written}, the parent's through: {through}")  # fmt: skip
+    lanes[0].progress()
+    assert mine.request.result(timeout=0).tolist() == [3.0] * 4
 
 
 class Interrupted:

@@ -41,10 +41,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import forks
 from .algorithms import Array, DType
 from .buffers import Buffer
 from .envvars import env_number
-from .errors import BrokenError, ClosedError
+from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key
 from .mailbox import (
     AGREED,
@@ -121,6 +122,7 @@ class Lane:
         self.ran = 0  # of the completed, those ``run`` did on the caller's thread
         self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
         self.moved_at = 0.0  # when the lane last published or completed something
+        self._generation = forks.generation()  # a forked child must not move it (``_forked``)
 
     @staticmethod
     def takes(kind: str, buf: Buffer, key: Key) -> bool:
@@ -226,6 +228,7 @@ class Lane:
         or from the last operation it saw complete. Ranks that lost their core for a while
         (four ranks on two cores, a hypervisor that took a core) come back to a waiter that
         still drives, not to a progress thread that looks once a nap."""
+        self._refuse_fork(request.label)
         awaited = self._look()  # the peers may be there already: then no spin to set up
         if request.done():
             return
@@ -261,6 +264,7 @@ class Lane:
 
     def poke(self) -> None:
         """One look (``Request.test``), unless another thread is moving the lane."""
+        self._refuse_fork("an operation of the same-host lane")
         self._look()
 
     def _look(self) -> int:
@@ -278,7 +282,21 @@ class Lane:
 
     def wake(self) -> None:
         """Have the progress thread look soon (a request nobody may wait on)."""
+        self._refuse_fork("an operation of the same-host lane")
         self._wake()
+
+    def _refuse_fork(self, label: str) -> None:
+        """In a forked child (a DataLoader worker: fork by default), raise UsageError: the
+        lane's mailbox is shared with the parent (MAP_SHARED), so a look from the child
+        would publish and fold into the parent's slots and move its ``through``, and peers
+        would reuse slots the parent has not read; nothing completes the request there
+        either (``Request.wait`` refuses it too)."""
+        if forks.generation() != self._generation:
+            raise UsageError(
+                f"{label} was posted before this process was forked; only the parent can "
+                "complete it (the lane's shared mailbox is the parent's, and its progress "
+                "thread does not run in a child)"
+            )
 
     # ---- the progress thread ---------------------------------------------------------------
 

@@ -16,9 +16,13 @@ Every semantic of the engine stays, because the engine keeps all of them:
   where a peer's slot holds a note, or another descriptor, this rank hands the operation to
   the engine as it is (``convert``), whose matching completes it or fails it on every rank
   with its MismatchError;
-- deadlines, broken peers, goodbyes and silent peers are watched by the progress thread
-  (``watch``), which fails an operation through the session, so peers hear of it as of any
-  other failure, and a later post fails at once;
+- deadlines, broken peers and silent peers are watched by the progress thread (``watch``),
+  which fails an operation through the session, so peers hear of it as of any other
+  failure, and a later post fails at once; an operation that still needs a rank that said
+  goodbye (its slot lacks it) fails on every rank by itself, alike, as each reads the same
+  final slot;
+- whatever a call of the lane raises (a signal handler's exception, most often), the
+  operation it brought stays the lane's, and the sequence stays whole (``_rescue``);
 - posting never blocks: a contribution whose slot is not free yet (a peer is ``SLOTS``
   operations behind) waits in ``_unpublished`` and goes out in order as slots free up;
 - a request nobody waits on still completes: ``test()`` looks once (as MPI_Test progresses),

@@ -20,7 +20,7 @@ fi
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-extras="dev,torch,plot"
+extras="dev,torch,plot,integrations"
 if [ "$want_mpi" = 1 ] && command -v mpirun >/dev/null 2>&1; then
   extras="$extras,mpi"
 fi

@@ -166,12 +166,13 @@ def run_job(
 
 
 def store_url(tmp_path: Path, plane: str) -> str:
-    """The store plane is authenticated TCP; with a file store only the data plane is tested."""
+    """The store plane is authenticated TCP; a file store's values are signed (the ranks
+    that share the secret meet in it and connect over the authenticated data plane)."""
     return f"tcp://{LOCAL}:{free_port()}" if plane == "store" else f"file://{tmp_path}/store"
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("plane", ["store", "data"])
+@pytest.mark.parametrize("plane", ["store", "file"])
 def test_ranks_that_share_the_secret_allreduce(tmp_path: Path, plane: str) -> None:
     path = secret_file(tmp_path, 0o600)
     envs = [{"ASYNCREDUCE_SECRET": SECRET}, {"ASYNCREDUCE_SECRET_FILE": path}] + [
@@ -198,7 +199,7 @@ CAUSE = {  # what rank 0 (store server / data acceptor) names as the reason it d
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("plane", ["store", "data"])
+@pytest.mark.parametrize("plane", ["store", "file"])
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_a_rank_that_disagrees_about_the_secret_fails_the_job_fast(
     tmp_path: Path, plane: str, case: str
@@ -210,9 +211,13 @@ def test_a_rank_that_disagrees_about_the_secret_fails_the_job_fast(
     assert seconds1 < JOB_TIMEOUT - 2.0  # the side that can tell fails at once: no waiting
     (outcome0, message0, repr0), seconds0, logs0 = results[0]
     assert outcome0 == "TimeoutError", message0  # rank 0 cannot tell: it waits for rank 1
-    assert "1 never" in message0 and f"dropped 1 connection ({CAUSE[case]}: 1)" in message0
     assert seconds0 < JOB_TIMEOUT + 2.0
-    assert logs0.count("dropping connection from 127.0.0.1:") == 1
+    if plane == "store":
+        assert "1 never" in message0 and f"dropped 1 connection ({CAUSE[case]}: 1)" in message0
+        assert logs0.count("dropping connection from 127.0.0.1:") == 1
+    else:  # rank 1 finds it in the signed values of the file store, before any connection
+        assert "rank 1 never joined" in message0 and "dropping connection" not in logs0
+        assert "value of 'asyncreduce/world'" in message1, message1
     assert leaks(message0, message1, repr0, repr1, logs0, logs1) == []
     print(f"\nAUTH {plane} {case}: rank 1 failed in {seconds1:.2f} s, rank 0 in {seconds0:.2f} s")
 
@@ -414,3 +419,140 @@ def test_listening_on_every_interface_without_a_secret_warns_loudly(
     with TCPStore(LOCAL, 0, is_server=True, timeout=5.0, secret=None):
         pass
     assert "SECURITY" not in caplog.text
+
+
+# ---------------------------------------------------------------- a store the secret does not guard
+
+OUTSIDER = "an outsider wrote this: stop the job"
+NAMESPACE = "asyncreduce/0/0/"  # the first init of a process in torchrun's store (bootstrap)
+
+
+def _torch_store_rank(rank: int, port: int, secret: str, timeout: float, out: Any) -> None:
+    """A rank of a torchrun job with a secret: it meets the others in the agent's store."""
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="t", TORCHELASTIC_USE_AGENT_STORE="True", RANK=str(rank),
+        WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR=LOCAL,
+        MASTER_PORT=str(port), ASYNCREDUCE_SECRET=secret,
+    )  # fmt: skip
+    try:
+        with ar.init(timeout=timeout) as comm:
+            x = np.full(3, rank + 1.0)
+            comm.allreduce(x)
+            result = ("ok", repr(x.tolist()))
+    except BaseException as exc:
+        result = (type(exc).__name__, str(exc))
+    out.put((rank, result))
+
+
+@pytest.fixture
+def torch_stores() -> Iterator[list[Any]]:
+    """Torch TCPStores the test makes (the agent's, the outsider's), closed after it."""
+    pytest.importorskip("torch.distributed")
+    stores: list[Any] = []
+    yield stores
+    stores.clear()  # torch closes a store when its last reference goes
+    import gc
+
+    gc.collect()
+
+
+def _torch_store(stores: list[Any], port: int = 0) -> Any:
+    """port 0: the store torchrun's agent serves (torch's TCPStore: no authentication of its
+    own); else a client of it with no secret: anyone who reaches the port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(LOCAL, port, is_master=port == 0, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)  # fmt: skip
+    stores.append(store)
+    return store
+
+
+def _start(rank: int, port: int, out: Any) -> Any:
+    proc = _CTX.Process(target=_torch_store_rank, args=(rank, port, SECRET, JOB_TIMEOUT, out),
+                        daemon=True)  # fmt: skip
+    proc.start()
+    return proc
+
+
+def _results(out: Any, procs: list[Any], seconds: float) -> dict[int, tuple[str, str]]:
+    results: dict[int, tuple[str, str]] = {}
+    try:
+        while len(results) < len(procs):
+            rank, result = out.get(timeout=seconds)
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    return results
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_a_secret_meet_in_torchs_store_and_sign_what_they_write(
+    torch_stores: list[Any],
+) -> None:
+    port = _torch_store(torch_stores).port
+    out = _CTX.Queue()
+    results = _results(out, [_start(r, port, out) for r in (0, 1)], 60)
+    assert results == {r: ("ok", "[3.0, 3.0, 3.0]") for r in (0, 1)}, results
+    token = bytes(_torch_store(torch_stores, port).get(NAMESPACE + "token"))
+    assert token.startswith(b"ARSIGNED") and len(token) == 8 + 32 + 16  # signed, not hidden
+
+
+@pytest.mark.timeout(90)
+def test_an_outsider_who_writes_torchs_store_makes_init_fail_with_authentication_error(
+    torch_stores: list[Any],
+) -> None:
+    """With a secret, torch's store (no authentication of its own) carries only signed values:
+    an outsider's ``abort`` and a forged address of rank 0 end init with AuthenticationError on
+    each rank that reads them, never with the outsider's text and never by joining."""
+    port = _torch_store(torch_stores).port
+    outsider = _torch_store(torch_stores, port)
+    outsider.set(NAMESPACE + "abort", OUTSIDER.encode())  # read by a rank that waits over 1 s
+    out = _CTX.Queue()
+    first = _start(0, port, out)  # rank 0 waits for rank 1 and looks at "abort"
+    deadline = time.monotonic() + 40
+    while not outsider.check([NAMESPACE + "addr/0"]):
+        assert time.monotonic() < deadline, "rank 0 never published its address"
+        time.sleep(0.01)
+    outsider.set(NAMESPACE + "addr/0", b"127.0.0.1:1")  # rank 1 would dial the outsider's pick
+    results = _results(out, [first, _start(1, port, out)], 60)
+    for rank, (outcome, message) in sorted(results.items()):
+        assert OUTSIDER not in message, (rank, outcome, message)
+        assert outcome == "AuthenticationError", (rank, outcome, message)
+        assert "secret" in message and not leaks(message), (rank, message)
+
+
+def test_a_store_without_authentication_of_its_own_gets_signed_values(tmp_path: Path) -> None:
+    """What ``signed`` stores and refuses, over a file store (guarded only by permissions)."""
+    from asyncreduce.rendezvous import FileStore, PrefixStore
+    from asyncreduce.rendezvous.signed import signed
+
+    raw = FileStore(str(tmp_path / "store"), timeout=1.0)
+    store = signed(PrefixStore("ns/", raw), Secret(SECRET))
+    store.set("addr/0", b"127.0.0.1:5000")
+    assert store.get("addr/0") == b"127.0.0.1:5000"
+    assert raw.get("ns/addr/0").endswith(b"127.0.0.1:5000") and len(raw.get("ns/addr/0")) == 54
+    raw.set("ns/abort", OUTSIDER.encode())  # written by someone without the secret
+    raw.set("ns/addr/1", raw.get("ns/addr/0"))  # a signed value moved to another key
+    raw.set("other/addr/0", raw.get("ns/addr/0"))  # ... and to another namespace
+    for forged, where in [("abort", store), ("addr/1", store),
+                          ("addr/0", signed(PrefixStore("other/", raw), Secret(SECRET))),
+                          ("addr/0", signed(PrefixStore("ns/", raw), Secret(OTHER))),
+                          ("addr/0", signed(PrefixStore("ns/", raw), None))]:  # fmt: skip
+        with pytest.raises(AuthenticationError, match="authentication failed.*ASYNCREDUCE_SECRET"):
+            where.get(forged)
+    plain = signed(raw, None)  # no secret: values as they are, and an unsigned one is fine
+    plain.set("plain", b"x")
+    assert raw.get("plain") == b"x" == plain.get("plain")
+    with pytest.raises(AuthenticationError) as info:
+        store.get("abort")
+    assert OUTSIDER not in str(info.value) and not leaks(str(info.value), repr(store))
+    with TCPStore(LOCAL, 0, is_server=True, timeout=5.0, secret=Secret(SECRET)) as ours:
+        assert signed(PrefixStore("ns/", ours), Secret(SECRET)).store is ours  # it proves it

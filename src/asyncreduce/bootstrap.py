@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from . import cma
+from .auth import secret_from_env
 from .cma import CrossMemory
 from .comm import Communicator
 from .engine import Engine
@@ -39,6 +40,7 @@ from .errors import UsageError
 from .launchers import Place, Rendezvous, detect
 from .protocol.operation import Settings
 from .rendezvous import PrefixStore, Store, TCPStore, gather, store_from_env_or_args
+from .rendezvous.signed import signed
 from .transport.mesh import connect_mesh
 from .transport.shm import Arena, Segment, create_arena, host_identity, open_arena
 from .transport.tcp import TcpTransport
@@ -214,7 +216,10 @@ def _host_addresses() -> list[str]:
 def connect(
     store: Store, place: Place, deadline: float, settings: Settings, *, serving: bool
 ) -> Communicator:
-    """Steps 1-5 of the module docstring over ``store``; ``serving``: this rank serves it."""
+    """Steps 1-5 of the module docstring over ``store``; ``serving``: this rank serves it.
+    With a secret, every value in a store that does not authenticate its clients itself
+    (torch's, a file store) is signed and checked (rendezvous/signed.py)."""
+    store = signed(store, secret_from_env())
     rank, world_size = place.rank, place.world_size
     _agree_on_world_size(store, rank, world_size, deadline)
     host = _local_address(_store_host(store))

@@ -6,6 +6,10 @@ so with ``TORCHELASTIC_USE_AGENT_STORE=True``); every rank joins it as a client 
 serving a second store on that port. torch is imported only here, and only then (it is always
 there under torchrun). ``get`` with a deadline is ``wait`` then ``get``; torch's timeout becomes
 the builtin ``TimeoutError`` our rendezvous expects.
+
+torch's store authenticates nobody: whoever reaches its port reads and writes it. With a
+secret, ``bootstrap.connect`` therefore signs every value it writes here and checks every value
+it reads (rendezvous/signed.py); what the values say is not hidden (docs/security.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ _S = TypeVar("_S", bound="Store")
 class Store(abc.ABC):
     """A small key-value store shared by all ranks of a job. Keys are str, values bytes."""
 
+    #: Whether this store lets nobody in who does not prove the job's secret, when there is
+    #: one (our TCP store); the rendezvous signs the values of every other (signed.py).
+    checks_secret = False
+
     @abc.abstractmethod
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (replacing any old value) and wake its waiters."""

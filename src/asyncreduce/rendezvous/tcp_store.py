@@ -47,6 +47,7 @@ class TCPStore(Store):
     """
 
     port: int
+    checks_secret = True  # every connection proves the secret first, when there is one
 
     def __init__(
         self,

@@ -202,7 +202,7 @@ class OrderedEngine:
             self._break(BrokenError(f"{why} while rank {self.rank} had {op.label} pending"))
             return
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, time.time()))
-        self._liveness.watch(op)
+        self._liveness.watch(op, len(self._posted) + sum(len(c.ops) for c in self._calls))
         if op.kind == "p2p":  # matched by the engine itself, by source and tag, in order
             self._issue([op])
             return

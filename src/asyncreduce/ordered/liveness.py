@@ -47,10 +47,18 @@ class Liveness:
         """Every peer counts as heard from ``now``."""
         self.heard = {p: now for p in range(world_size) if p != self.rank}
 
-    def watch(self, op: Posted) -> None:
-        """Keep ``op``'s deadline, if it has a timeout."""
-        if op.timeout is not None:
-            heapq.heappush(self._deadlines, (op.started + op.timeout, next(self._order), op))
+    def watch(self, op: Posted, pending: int) -> None:
+        """Keep ``op``'s deadline, if it has a timeout (``pending``: how many operations are
+        pending here besides it). The deadlines of operations that ended are forgotten once
+        they outnumber the pending ones, as in the native engine (protocol/liveness.py), so an
+        ended operation and its buffer do not live until its deadline; that costs one pass
+        over the entries for every as many pushes: constant time per operation."""
+        if op.timeout is None:
+            return
+        heapq.heappush(self._deadlines, (op.started + op.timeout, next(self._order), op))
+        if len(self._deadlines) > 64 and len(self._deadlines) > 2 * (pending + 1):
+            self._deadlines = [e for e in self._deadlines if not e[2].request.done()]
+            heapq.heapify(self._deadlines)
 
     def next_expired(self, now: float) -> Posted | None:
         """An operation whose deadline passed by ``now`` (pending or not), or None."""

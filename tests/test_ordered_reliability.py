@@ -6,15 +6,102 @@ that a rank never joins. Each test is the review's sketch (docs/reliability.md h
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import asyncreduce as ar
+from asyncreduce.ordered.liveness import Liveness
 from spmd import mpi_available, run_ranks
 
 needs_mpi = pytest.mark.skipif(not mpi_available(), reason="needs Open MPI")
+
+
+# ---- item 1: a stopped peer while this rank is in an MPI call -----------------------------------
+
+
+def body_stopped_peer(
+    comm: ar.Communicator, where: str, count: int
+) -> tuple[float, float, float, str]:  # fmt: skip
+    """Rank 1 posts 'w' and stops 0.3 s later (a child resumes it after 8 s, so the job ends);
+    rank 0 posts 'w' with timeout=2 at 1 s, so its engine runs the MPI call while rank 1 is
+    stopped. Rank 0 returns (seconds from its post to the error, from rank 1's stop to the
+    error, close() seconds, the error's message)."""
+    x = np.ones(count, np.float32)
+    comm.barrier()
+    if comm.rank == 1:
+        subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+        request = comm.iallreduce(x, name="w")
+        time.sleep(0.3)
+        Path(where, "stopped").write_text(repr(time.monotonic()))  # (one clock for the host)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        try:  # resumed: rank 0 broke and left meanwhile
+            request.wait(timeout=10)
+        except Exception as exc:
+            return 0.0, 0.0, 0.0, type(exc).__name__
+        return 0.0, 0.0, 0.0, "completed"
+    time.sleep(1.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        comm.allreduce(x, name="w", timeout=2)
+    raised = time.monotonic()
+    comm.close()
+    closed = time.monotonic() - raised
+    stopped = float(Path(where, "stopped").read_text())
+    return raised - start, raised - stopped, closed, str(info.value)
+
+
+@needs_mpi
+@pytest.mark.parametrize(("peer_timeout", "count"), [("2", 256), ("60", 1 << 20)])
+def test_a_stopped_peer_during_an_mpi_call_fails_it_in_time_and_close_returns(
+    peer_timeout: str, count: int, tmp_path: Path
+) -> None:
+    """The engine thread never sits in a call no deadline can end: with the peer timeout at 2 s
+    the silent peer is named 2 s after it stopped; at 60 s the call's own timeout=2 fires.
+    1 KiB and 4 MiB: the two sizes that were blocking MPI_Allreduce calls on that thread."""
+    env = {"ASYNCREDUCE_PEER_TIMEOUT": peer_timeout}
+    results = run_ranks(2, body_stopped_peer, str(tmp_path), count, backend="mpi", env=env,
+                        timeout=60)  # fmt: skip
+    after_post, after_stop, closed, message = results[0]
+    if peer_timeout == "2":  # the silence (rank 1 stopped 0.7 s before rank 0 posted)
+        assert 2.0 <= after_stop <= 2.6, (after_stop, message)
+        assert "rank 1" in message, message
+    else:  # the deadline
+        assert 2.0 <= after_post <= 2.5, (after_post, message)
+        assert "timeout of 2" in message, message
+    assert after_post <= 2.5, after_post
+    assert closed <= 5.0, closed  # the linger (2 s for calls, 2 s for goodbyes), no more
+
+
+def _looks(liveness: Liveness, times: list[float]) -> list[str | None]:
+    """What the engine's housekeeping asks at each of ``times``: a beat, then silence."""
+    return [liveness.silence(t, ()) if liveness.beat_due(t) else None for t in times]
+
+
+def test_silence_is_not_judged_on_heard_times_older_than_this_ranks_own_absence() -> None:
+    """After the engine thread itself was away (a long call, no GIL), what peers sent meanwhile
+    is read before anyone is called silent; a peer that stays silent is still named."""
+    beats = [k / 20 for k in range(1, 21)]  # every 0.05 s (the beat at a 2 s peer timeout)
+    liveness = Liveness(0, peer_timeout=2.0, stall_warning=0.0)
+    liveness.start(2, now=0.0)
+    assert _looks(liveness, beats) == [None] * 20
+    assert _looks(liveness, [10.0]) == [None]  # away from 1 s to 10 s: not rank 1's silence
+    liveness.heard[1] = 10.01  # what rank 1 sent meanwhile, read by the next poll
+    assert _looks(liveness, [10 + t for t in beats] + [11 + t for t in beats]) == [None] * 40
+    assert _looks(liveness, [12.1])[0] is not None  # silent since 10.01 s: named at 12.1 s
+    steady = Liveness(0, peer_timeout=2.0, stall_warning=0.0)  # looking at every beat
+    steady.start(2, now=0.0)
+    assert _looks(steady, beats + [1 + t for t in beats]) == [None] * 40
+    assert "rank 1" in (_looks(steady, [2.1])[0] or "")
+    slow = Liveness(0, peer_timeout=2.0, stall_warning=0.0)  # a thread that looks every 0.5 s
+    slow.start(2, now=0.0)
+    assert any(_looks(slow, [k / 2 for k in range(1, 7)])), "a silent peer must still be named"
 
 
 # ---- item 4: operations with timeout= are forgotten once they end -------------------------------

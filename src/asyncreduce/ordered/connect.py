@@ -47,7 +47,8 @@ def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
         )
         endpoint = NativeEndpoint(_native(timeout), world.__getitem__)
     one_host = local[1] == size
-    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint, one_host),
+    threads = bool(comm.allreduce(int(MPI.Query_thread() >= MPI.THREAD_MULTIPLE), op=MPI.MIN))
+    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint, one_host, threads),
                            Settings.from_env())  # fmt: skip
     return _started(Communicator(rank, size, engine, local=local), "mpi", timeout)
 

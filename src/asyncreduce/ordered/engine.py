@@ -11,7 +11,9 @@ send and a receive by source and tag in the order posted, as we do.
 
 It sleeps only when nothing is pending anywhere it knows of (blocking on its queue, waking
 for heartbeats); while an operation is pending it polls, busily for ``spin`` seconds after
-the last event and every ``_POLL`` seconds after that.
+the last event and every ``_POLL`` seconds after that (or, while the only calls running are
+an adapter's helper thread's, until one ends, an operation is posted, or a beat or deadline
+is due). Nothing it calls blocks, so deadlines, heartbeats and close always get their turn.
 
 Failure is sticky as in the native engine: the first failure (a mismatch found in the
 agreement, a per-call timeout, an engine error, a silent or departed peer, ``abort``) fails
@@ -51,6 +53,9 @@ _POLL, _POLL_MAX = 50e-6, 500e-6  # seconds between polls past the spin: doublin
 # nothing moves (a long transfer over TCP needs little attention; every test costs CPU the
 # caller's computation could use: bench overlap --hosts), back to the least at each event
 _LINGER = 2.0
+#: close() waits this long for the thread at most: its goodbye takes up to 3 lingers (calls,
+#: peers' goodbyes, sends), and nothing it calls blocks; past it, close() returns anyway
+_JOIN = 3 * _LINGER + 2.0
 _ABANDONED: list[Any] = []  # calls still in the engine when their thread ended: kept alive
 
 
@@ -81,6 +86,8 @@ class OrderedEngine:
         self._posted: dict[Key, Posted] = {}  # not yet agreed (collectives)
         self._calls: list[Call] = []
         self._started = threading.Event()
+        self._wake = threading.Event()  # ends a nap: a helper thread's call ended, or a post
+        self._napping = False
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(make_adapter,), name=f"asyncreduce-ordered-{rank}", daemon=True
@@ -107,6 +114,8 @@ class OrderedEngine:
             if at_post is not None:
                 at_post(op)
             self._queue.put(op)
+            if self._napping:  # (a nap through a helper's long call: offer this one now)
+                self._wake.set()
 
     def close(self) -> None:
         """Finish what is running (up to 2 s), fail what is not agreed, say goodbye, join."""
@@ -126,8 +135,12 @@ class OrderedEngine:
                 return
             self._closed, self._abort = True, abort
         self._queue.put(None)
+        self._wake.set()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(_JOIN)
+            if self._thread.is_alive():  # a bug, or an engine call that blocked after all
+                log.warning("rank %d: the ordered engine thread did not end within %.0f s of "
+                            "close(); it is left behind", self.rank, _JOIN)  # fmt: skip
 
     # ---- the thread --------------------------------------------------------------------------
 
@@ -135,6 +148,8 @@ class OrderedEngine:
         np.seterr(all="ignore")
         try:
             self.adapter = make_adapter()
+            if hasattr(self.adapter, "wake"):
+                self.adapter.wake = self._wake.set
             self._channel = Channel(self.adapter.endpoint, self.rank, self.world_size)
         except BaseException as exc:
             self._start_error = exc
@@ -170,10 +185,20 @@ class OrderedEngine:
                 last_event, nap = now, _POLL
             self._housekeeping(now)
             if busy and not moved and now - last_event > self.settings.spin:
-                time.sleep(nap)
-                nap = min(2 * nap, _POLL_MAX)
+                if self._calls and all(getattr(c.running, "wakes", False) for c in self._calls):
+                    self._nap(self._liveness.until_due(now))  # (its end wakes us; a post too)
+                else:
+                    self._nap(nap)
+                    nap = min(2 * nap, _POLL_MAX)
             elif not moved:
                 os.sched_yield()
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until a helper's call ends or something is submitted."""
+        self._napping = True
+        if self._wake.wait(seconds):
+            self._wake.clear()
+        self._napping = False
 
     def _take(self, block: bool) -> tuple[bool, bool]:
         """Take submitted operations: (closing, took any)."""

@@ -38,6 +38,7 @@ class Liveness:
         self.heard: dict[int, float] = {}  # every peer: when it was last heard from
         self.stall_reports: list[str] = []
         self._last_beat = 0.0
+        self._away = False  # this beat comes after a long absence of this rank's own thread
         self._deadlines: list[tuple[float, int, Posted]] = []
         self._order = itertools.count()
         self._stall_warning = stall_warning
@@ -46,6 +47,7 @@ class Liveness:
     def start(self, world_size: int, now: float) -> None:
         """Every peer counts as heard from ``now``."""
         self.heard = {p: now for p in range(world_size) if p != self.rank}
+        self._last_beat = now
 
     def watch(self, op: Posted, pending: int) -> None:
         """Keep ``op``'s deadline, if it has a timeout (``pending``: how many operations are
@@ -66,15 +68,30 @@ class Liveness:
             return heapq.heappop(self._deadlines)[2]
         return None
 
+    def until_due(self, now: float) -> float:
+        """Seconds from ``now`` until the next beat or deadline (what may sleep that long)."""
+        until = self._last_beat + self.beat_every - now
+        if self._deadlines:
+            until = min(until, self._deadlines[0][0] - now)
+        return max(0.0, until)
+
     def beat_due(self, now: float) -> bool:
         """Whether it is time for the next BEAT (and the checks that go with it)."""
         if now - self._last_beat < self.beat_every:
             return False
+        # Beats are due every beat_every, and the thread looks at least that often. A beat
+        # later than three means the thread itself was away (a long call, no GIL): what the
+        # peers sent meanwhile may not be read yet, so ``silence`` waits for the next beat
+        # (never two in a row, so a thread that is always late still names a silent peer).
+        self._away = now - self._last_beat > 3 * self.beat_every and not self._away
         self._last_beat = now
         return True
 
     def silence(self, now: float, departed: Collection[int]) -> str | None:
-        """Why the peers not heard from for too long (and still here) are silent, or None."""
+        """Why the peers not heard from for too long (and still here) are silent, or None
+        (None as well right after this rank's own absence: see ``beat_due``)."""
+        if self._away:
+            return None
         silent = [
             p
             for p, t in self.heard.items()

@@ -1,15 +1,23 @@
 """The MPI engine (mpi4py): what ``ar.init(backend="mpi")`` runs on.
 
-Theory of operation. Every MPI call is made by the ordered engine's thread: it duplicates
-the caller's communicator three times (agreed collectives and exchanges; the control
-channel; the caller's point-to-point sends and receives, with their own tags), issues
-non-blocking calls and tests them, which is what lets Open MPI progress a posted
-``Iallreduce`` while the caller computes. MPI must therefore run at MPI_THREAD_SERIALIZED or
-higher (mpi4py asks for MPI_THREAD_MULTIPLE by default, so the caller's own MPI calls keep
-working beside ours).
+Theory of operation. Every MPI call is made by the ordered engine's thread (or its helper,
+below): it duplicates the caller's communicator four times (agreed collectives and
+exchanges; the control channel; the caller's point-to-point sends and receives, with their
+own tags; the helper's blocking calls), issues non-blocking calls and tests them, which is
+what lets Open MPI progress a posted ``Iallreduce`` while the caller computes. MPI must
+therefore run at MPI_THREAD_SERIALIZED or higher (mpi4py asks for MPI_THREAD_MULTIPLE by
+default, so the caller's own MPI calls keep working beside ours).
 
-Large and small allreduces are blocking calls on that thread (``BLOCKING_BYTES``,
-``SMALL_BYTES``), as are small broadcasts and barriers; the rest are non-blocking.
+The engine thread never sits in a call that no deadline can end (a stopped peer, a network
+partition): every call it makes is non-blocking, so while one waits for a peer the thread
+keeps sending heartbeats and keeping deadlines, and can fail requests and close. The calls
+that finish in microseconds (allreduces and broadcasts up to ``SMALL_BYTES``, barriers) are
+tested in a tight loop for ``SPIN`` seconds first, which keeps most of what a blocking call
+gains there. Large allreduces with every rank on one host are the exception that stays
+blocking, on a helper thread of their own (``BLOCKING_BYTES``): there the blocking
+``Allreduce`` progresses its shared-memory transfer continuously, where the engine's polls
+would leave it waiting; if the peer is stopped, the helper waits in MPI, abandoned, while the
+engine thread fails the request as for any other call.
 
 Types and reductions MPI has built in go to MPI as they are; the ones it lacks (float16,
 bfloat16) reduce through a user-defined operation that combines exactly as the native engine
@@ -19,7 +27,11 @@ does (algorithms/reduction.py). bool reduces as torch means it (sum and max are 
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,16 +45,20 @@ from .posted import Posted, Running
 __all__ = ["MpiAdapter", "check_thread_level"]
 
 _SLOT = 64 << 10
-#: With every rank on one host, allreduces from this size up run as a blocking ``Allreduce`` on
-#: the engine thread (mpi4py releases the GIL in it, so the caller computes meanwhile): Open
-#: MPI 4's non-blocking ``Iallreduce`` (libnbc) is 2-4x slower than its blocking one there
-#: (``bench engines``). Across hosts they stay non-blocking, tested every ``_POLL``: a blocking
-#: call over TCP spins a core the caller's computation needs (``bench overlap --hosts``).
+#: With every rank on one host, allreduces from this size up are blocking ``Allreduce`` calls
+#: made by a helper thread, on a communicator of their own, in the agreed order (mpi4py
+#: releases the GIL in them). Through the engine's polls, a non-blocking one took 3x as long
+#: (10 x 32 MiB, 2 ranks: 350-430 ms against 120-140 ms; measured). It needs
+#: MPI_THREAD_MULTIPLE on every rank (mpi4py's default); otherwise they are non-blocking too.
+#: Across hosts they stay non-blocking, tested every ``_POLL``: a blocking call over TCP spins a
+#: core the caller's computation needs (``bench overlap --hosts``).
 BLOCKING_BYTES = 1 << 20
-#: ... and so do allreduces and broadcasts up to this size, and barriers: a blocking call
-#: takes ~2 us where the non-blocking one and its tests take ~25 us (measured); the engine
-#: thread waits at most as long as the ranks are apart in finishing the round that agreed it.
+#: Allreduces and broadcasts up to this size, and barriers, are tested in a tight loop for up
+#: to ``SPIN`` seconds after they are issued (the engine's usual polling after that): a
+#: blocking call takes ~1.6 us at 1 KiB on one host, the non-blocking one tested in a loop
+#: ~3 us, and through the engine's polls alone ~25 us (measured, Open MPI 4.1, 2 ranks).
 SMALL_BYTES = 64 << 10
+SPIN = 50e-6
 _EXCHANGE_TAG = 1
 
 
@@ -96,8 +112,68 @@ class _Calls:
             self._after()
         return True
 
+    def spun(self) -> _Calls:
+        """Itself, tested in a tight loop for up to ``SPIN`` s (a short call is done by then)."""
+        test, end = self._requests[0].Test, time.perf_counter() + SPIN
+        while not test() and time.perf_counter() < end:
+            pass
+        return self
 
-_DONE = _Calls([])  # a blocking call: finished when it returns
+
+class _Blocking:
+    """A blocking call made by the helper thread: done once it returned (or raised). The
+    helper wakes the engine thread then, so meanwhile it sleeps until its next beat."""
+
+    wakes = True
+
+    def __init__(self, call: Any, keep: Any) -> None:
+        self._call, self._keep = call, keep
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def run(self) -> None:  # (the helper thread)
+        try:
+            self._call()
+        except BaseException as exc:
+            self._error = exc
+        self._finished = True
+
+    def done(self) -> bool:
+        if not self._finished:
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+class _Helper:
+    """One thread that makes blocking calls, one at a time, in the order they are given."""
+
+    def __init__(self, rank: int, adapter: Any) -> None:
+        self._adapter = adapter  # (its ``wake``, set by the engine, once a call returned)
+        self._jobs: queue.SimpleQueue[_Blocking | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"asyncreduce-mpi-blocking-{rank}",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def call(self, call: Any, keep: Any) -> _Blocking:
+        job = _Blocking(call, keep)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job.run()
+            job = None  # (not kept, with its buffer, while waiting for the next one)
+            if self._jobs.empty():  # (a run of calls wakes it once, at its end: on a busy
+                self._adapter.wake()  # host, a thread woken meanwhile slows the calls)
+
+    def stop(self) -> None:
+        """End the thread once it is idle (a call it is stuck in keeps it, abandoned)."""
+        self._jobs.put(None)
 
 
 class _Receive:
@@ -156,36 +232,38 @@ class MpiAdapter:
 
     name = "mpi"
 
-    def __init__(self, comm: Any, endpoint: Endpoint | None, one_host: bool) -> None:
-        """``one_host``: every rank of ``comm`` shares this host (connect.py counted them)."""
+    def __init__(
+        self, comm: Any, endpoint: Endpoint | None, one_host: bool, threads: bool
+    ) -> None:  # fmt: skip
+        """``one_host``: every rank of ``comm`` shares this host; ``threads``: every rank
+        runs MPI at MPI_THREAD_MULTIPLE (connect.py asked them: every rank decides alike)."""
         mpi = _mpi()
         self._mpi = mpi
         self._data, self._control, self._p2p = comm.Dup(), comm.Dup(), comm.Dup()
+        self._blocking = comm.Dup()
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
-        self.one_host = one_host
+        self._helper = _Helper(self.rank, self) if one_host and threads else None
         self.endpoint: Endpoint = endpoint or MpiEndpoint(self._control)
-        self.max_tag = int(comm.Get_attr(mpi.TAG_UB))  # (a larger tag: UsageError at post)
+        self.wake: Callable[[], None] = lambda: None  # the engine's: a helper's call returned
+        self.max_tag = int(self._data.Get_attr(mpi.TAG_UB))  # (larger: UsageError at post)
         self._ops: dict[tuple[str, str], Any] = {}
         self._types: dict[int, Any] = {}
 
     def start(self, op: Posted, flat: Any) -> Running:
         mpi, comm, kind = self._mpi, self._data, op.kind
-        size = flat.nbytes  # (agreed, as is one_host: every rank decides alike)
-        blocking = size <= SMALL_BYTES or (size >= BLOCKING_BYTES and self.one_host)
-        if kind == "allreduce" and blocking:
-            comm.Allreduce(mpi.IN_PLACE, self._buffer(flat, op.dtype), self._op(op.dtype, op.op))
-            return _DONE
-        if kind == "broadcast" and flat.nbytes <= SMALL_BYTES:
-            comm.Bcast(self._buffer(flat, op.dtype), op.root)
-            return _DONE
-        if kind == "barrier":
-            comm.Barrier()
-            return _DONE
+        short = flat.nbytes <= SMALL_BYTES  # (agreed: every rank decides alike)
+        if kind == "allreduce" and flat.nbytes >= BLOCKING_BYTES and self._helper is not None:
+            buf, red, big = self._buffer(flat, op.dtype), self._op(op.dtype, op.op), self._blocking
+            return self._helper.call(lambda: big.Allreduce(mpi.IN_PLACE, buf, red), flat)
         if kind == "allreduce":
             buf = self._buffer(flat, op.dtype)
-            return _Calls([comm.Iallreduce(mpi.IN_PLACE, buf, self._op(op.dtype, op.op))], flat)
+            call = _Calls([comm.Iallreduce(mpi.IN_PLACE, buf, self._op(op.dtype, op.op))], flat)
+            return call.spun() if short else call
         if kind == "broadcast":
-            return _Calls([comm.Ibcast(self._buffer(flat, op.dtype), op.root)], flat)
+            call = _Calls([comm.Ibcast(self._buffer(flat, op.dtype), op.root)], flat)
+            return call.spun() if short else call
+        if kind == "barrier":
+            return _Calls([comm.Ibarrier()]).spun()
         if kind == "allgather":
             buf = self._buffer(flat, op.dtype, flat.size // self.world_size)  # (per rank)
             return _Calls([comm.Iallgather(mpi.IN_PLACE, buf)], flat)
@@ -259,13 +337,15 @@ class MpiAdapter:
         """Free what we made, unless calls are still in MPI (then they keep it: MPI has no
         cancel for collectives, and freeing what a pending call uses is erroneous)."""
         self.endpoint.cancel()
+        if self._helper is not None:
+            self._helper.stop()
         if pending:
             return
         for op in self._ops.values():
             op.Free()
         for kind in self._types.values():
             kind.Free()
-        for comm in (self._data, self._control, self._p2p):
+        for comm in (self._data, self._control, self._p2p, self._blocking):
             comm.Free()
 
 

@@ -104,6 +104,25 @@ def test_silence_is_not_judged_on_heard_times_older_than_this_ranks_own_absence(
     assert any(_looks(slow, [k / 2 for k in range(1, 7)])), "a silent peer must still be named"
 
 
+def body_close_in_turn(comm: ar.Communicator) -> float:
+    """Rank 1 closes; rank 0 closes 0.5 s later, having read rank 1's goodbye meanwhile:
+    rank 1's close() seconds (it waits for rank 0's goodbye, which must come)."""
+    comm.barrier()
+    if comm.rank == 1:
+        start = time.monotonic()
+        comm.close()
+        return time.monotonic() - start
+    time.sleep(0.5)
+    comm.close()
+    return 0.0
+
+
+def test_a_rank_that_heard_the_goodbye_first_still_says_its_own() -> None:
+    """Else the first to close waits out the whole linger (4 s) for it."""
+    results = run_ranks(2, body_close_in_turn, backend="mpi" if mpi_available() else "torch")
+    assert results[1] < 1.5, results
+
+
 # ---- item 4: operations with timeout= are forgotten once they end -------------------------------
 
 

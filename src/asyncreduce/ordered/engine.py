@@ -391,9 +391,10 @@ class OrderedEngine:
             liveness.inspect_stalls(now, self._posted, self._waiting_for)
 
     def _tell_all(self, kind: int, body: bytes = b"") -> None:
-        """``kind`` to every peer still here; a channel that failed only loses the message."""
+        """``kind`` to every peer still here (GOODBYE: to every peer, since one that said
+        goodbye first waits for ours); a channel that failed only loses the message."""
         for peer in self._liveness.heard:
-            if peer not in self._departed:
+            if peer not in self._departed or kind == GOODBYE:
                 try:
                     self._channel.send(peer, kind, body)
                 except Exception as exc:

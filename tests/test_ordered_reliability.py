@@ -151,3 +151,36 @@ def test_operations_with_a_timeout_are_not_kept_until_their_deadline() -> None:
     for rank, (held, pending, gone) in results.items():
         assert held <= 2 * pending + 64, (rank, held, pending)
         assert gone, f"rank {rank}: the 4 MiB buffer is still alive after del and gc.collect()"
+
+
+# ---- item 7: init(backend="torch") + close() leaves nothing behind ------------------------------
+
+
+def body_cycles(rank: int, n: int, port: int, cycles: int) -> list[tuple[int, int, int]]:
+    """``cycles`` init(backend="torch") + allreduce + close() in one Gloo job: after each,
+    (open descriptors, torch process groups, OS threads)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    seen = []
+    try:
+        for _ in range(cycles):
+            with ar.init(backend="torch", timeout=30) as comm:
+                comm.allreduce(np.ones(4, np.float32))
+            gc.collect()
+            seen.append((len(os.listdir("/proc/self/fd")), len(c10d._world.pg_map),
+                         len(os.listdir("/proc/self/task"))))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    return seen
+
+
+def test_torch_init_and_close_cycles_leak_no_process_group_descriptor_or_thread() -> None:
+    results = run_ranks(2, body_cycles, 13, connect=False, timeout=120)
+    for rank, seen in results.items():
+        fds, groups, threads = zip(*seen, strict=True)
+        assert len(set(groups[2:])) == 1, (rank, groups)
+        assert max(fds[2:]) <= fds[2], (rank, fds)
+        assert max(threads[2:]) <= threads[2], (rank, threads)

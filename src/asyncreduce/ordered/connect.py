@@ -59,7 +59,7 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
     made beside it, for the control messages (every rank of the job must call this)."""
     import torch.distributed as dist
 
-    from .torchdist import TorchAdapter
+    from .torchdist import TorchAdapter, destroy_groups
 
     if dist.is_available() and not dist.is_initialized() and _launched():
         import torch
@@ -84,6 +84,7 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
         raise UsageError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
     if size == 1:
         native.close()
+        destroy_groups(group, host)
         return Communicator(0, 1, None)
     endpoint = NativeEndpoint(native, ranks.__getitem__)
     engine = OrderedEngine(rank, size, lambda: TorchAdapter(group, host, endpoint),

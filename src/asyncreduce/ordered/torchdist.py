@@ -27,7 +27,7 @@ from .channel import Endpoint
 from .native import NativeEndpoint
 from .posted import Posted, Running
 
-__all__ = ["TorchAdapter", "refused"]
+__all__ = ["TorchAdapter", "destroy_groups", "refused"]
 
 _EXCHANGE_TAG, _P2P_TAG = (1 << 40) + 1, 1 << 62  # native tags (a user tag t: t + _P2P_TAG)
 
@@ -98,6 +98,7 @@ class TorchAdapter:
         self.endpoint: Endpoint = endpoint
         self._native = endpoint  # its communicator also carries exchanges and sends
         self._streams: dict[Any, Any] = {}
+        self._queued: dict[Any, Any] = {}  # device: the event after our last collective there
         R = dist.ReduceOp
         self._ops = {"sum": R.SUM, "avg": R.SUM, "max": R.MAX, "min": R.MIN, "prod": R.PRODUCT,
                      "band": R.BAND, "bor": R.BOR, "bxor": R.BXOR}  # fmt: skip
@@ -176,11 +177,32 @@ class TorchAdapter:
             done = torch.cuda.Event()
             done.record(stream)
         tensor.record_stream(stream)
+        self._queued[tensor.device] = done
         op.request.on_wait = lambda: torch.cuda.current_stream(tensor.device).wait_event(done)
         return _Queued()
 
     def close(self, pending: bool) -> None:
-        self.endpoint.cancel()  # (the groups belong to the caller's torch.distributed job)
+        """Close the control channel's communicator; destroy the groups init made for us
+        (each holds descriptors and threads, and under NCCL its GPU buffers), unless a call
+        of ours may still be in one: then they are left to it. Destroying a group is local."""
+        try:
+            self.endpoint.cancel()
+        finally:
+            if not pending and all(event.query() for event in self._queued.values()):
+                destroy_groups(self._group, self._host)  # (``query`` never blocks; the
+                self._group = self._host = None  # shutdown of a group with work queued may)
+
+
+def destroy_groups(*groups: Any) -> None:
+    """Destroy the torch process groups ``groups`` (each once; gone already: nothing)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    done: list[Any] = []
+    for group in groups:
+        if group is None or any(group is d for d in done) or group not in c10d._world.pg_map:
+            continue
+        c10d.destroy_process_group(group)
+        done.append(group)
 
 
 def _tensor(torch: Any, flat: Any, dtype: DType) -> Any:

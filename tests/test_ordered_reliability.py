@@ -6,9 +6,11 @@ that a rank never joins. Each test is the review's sketch (docs/reliability.md h
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -184,3 +186,38 @@ def test_torch_init_and_close_cycles_leak_no_process_group_descriptor_or_thread(
         assert len(set(groups[2:])) == 1, (rank, groups)
         assert max(fds[2:]) <= fds[2], (rank, fds)
         assert max(threads[2:]) <= threads[2], (rank, threads)
+
+
+# ---- item 11: an MPI init that a rank never joins ------------------------------------------------
+
+NEVER_JOINS = """
+import json, os, sys, time
+from mpi4py import MPI  # every rank starts MPI; rank 1 never calls init
+import asyncreduce as ar
+if MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(float(sys.argv[1]) + 3)
+    os._exit(0)  # no MPI_Finalize: mpirun ends the job (a rank 0 still inside init included)
+start = time.monotonic()
+try:
+    ar.init(backend="mpi", timeout=float(sys.argv[1]))
+    outcome = ["joined", ""]
+except BaseException as exc:
+    outcome = [type(exc).__name__, str(exc)]
+print(json.dumps([time.monotonic() - start, *outcome]), flush=True)
+os._exit(0)
+"""
+
+
+@needs_mpi
+def test_mpi_init_is_bounded_by_its_timeout_when_a_rank_never_calls_it(tmp_path: Path) -> None:
+    script = tmp_path / "never_joins.py"
+    script.write_text(NEVER_JOINS)
+    done = subprocess.run(["mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe",
+                           "--mca", "btl_tcp_if_include", "lo", sys.executable, str(script), "2"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert lines, f"rank 0 never came out of init: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    elapsed, kind, message = json.loads(lines[0])
+    assert kind == "TimeoutError", (kind, message)
+    assert 2.0 <= elapsed <= 3.0, elapsed
+    assert "init" in message and "2" in message, message

@@ -23,8 +23,9 @@ log = logging.getLogger("asyncreduce.comm")
 
 
 def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
-    """A communicator over ``comm`` (an mpi4py communicator; COMM_WORLD by default)."""
-    from .mpi import MpiAdapter, check_thread_level, prefer_ring
+    """A communicator over ``comm`` (an mpi4py communicator; COMM_WORLD by default).
+    TimeoutError when a rank has not called it within ``timeout`` seconds."""
+    from .mpi import MpiAdapter, check_thread_level, meet, prefer_ring
 
     prefer_ring()
     check_thread_level()
@@ -34,23 +35,23 @@ def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
     if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
         raise UsageError(f"comm must be an mpi4py communicator, got {comm!r}")
     rank, size = comm.Get_rank(), comm.Get_size()
-    local = _mpi_local(comm)
     if size == 1:
-        return Communicator(0, 1, None, local=local)
+        return Communicator(0, 1, None, local=(0, 1))
     control = os.environ.get("ASYNCREDUCE_CONTROL") or "mpi"
     if control not in ("mpi", "native"):
         raise UsageError(f"ASYNCREDUCE_CONTROL={control!r}: expected mpi or native")
+    deadline = time.monotonic() + timeout
+    comms, local, threads = meet(comm, deadline, timeout)  # (no blocking MPI call)
     endpoint = None
     if control == "native":
         world = list(
             comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group())
         )
-        endpoint = NativeEndpoint(_native(timeout), world.__getitem__)
+        endpoint = NativeEndpoint(_native(_left(deadline)), world.__getitem__)
     one_host = local[1] == size
-    threads = bool(comm.allreduce(int(MPI.Query_thread() >= MPI.THREAD_MULTIPLE), op=MPI.MIN))
-    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comm, endpoint, one_host, threads),
+    engine = OrderedEngine(rank, size, lambda: MpiAdapter(comms, endpoint, one_host, threads),
                            Settings.from_env())  # fmt: skip
-    return _started(Communicator(rank, size, engine, local=local), "mpi", timeout)
+    return _started(Communicator(rank, size, engine, local=local), "mpi", _left(deadline))
 
 
 def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
@@ -108,8 +109,12 @@ def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
     """Check that every rank fuses alike, agree on a clock origin, say what was chosen."""
     engine = comm._ordered
     assert engine is not None
-    fusion = comm.allgather(np.array([engine.fusion_bytes], np.int64), name="asyncreduce/start",
-                            timeout=timeout)[:, 0]  # fmt: skip
+    try:
+        fusion = comm.allgather(np.array([engine.fusion_bytes], np.int64),
+                                name="asyncreduce/start", timeout=timeout)[:, 0]  # fmt: skip
+    except BaseException:
+        comm.abort("init did not finish")  # (its thread ends; the peers' inits fail too)
+        raise
     if len(set(fusion.tolist())) > 1:
         comm.close()
         raise UsageError(
@@ -124,12 +129,6 @@ def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
     return comm
 
 
-def _mpi_local(comm: Any) -> tuple[int, int]:
-    """This rank's place among the ranks of ``comm`` on its host."""
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic), never quite zero: a timeout to pass on."""
+    return max(deadline - time.monotonic(), 1e-3)

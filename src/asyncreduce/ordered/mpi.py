@@ -1,12 +1,14 @@
 """The MPI engine (mpi4py): what ``ar.init(backend="mpi")`` runs on.
 
-Theory of operation. Every MPI call is made by the ordered engine's thread (or its helper,
-below): it duplicates the caller's communicator four times (agreed collectives and
-exchanges; the control channel; the caller's point-to-point sends and receives, with their
-own tags; the helper's blocking calls), issues non-blocking calls and tests them, which is
-what lets Open MPI progress a posted ``Iallreduce`` while the caller computes. MPI must
-therefore run at MPI_THREAD_SERIALIZED or higher (mpi4py asks for MPI_THREAD_MULTIPLE by
-default, so the caller's own MPI calls keep working beside ours).
+Theory of operation. ``meet`` (at init, on the caller's thread) duplicates the caller's
+communicator four times (agreed collectives and exchanges; the control channel; the caller's
+point-to-point sends and receives, with their own tags; the helper's blocking calls) and
+learns where every rank runs, all with non-blocking calls bounded by init's ``timeout``: a
+rank that never calls init gives a TimeoutError, not a hang. From then on every MPI call is
+made by the ordered engine's thread (or its helper, below): it issues non-blocking calls and
+tests them, which is what lets Open MPI progress a posted ``Iallreduce`` while the caller
+computes. MPI must therefore run at MPI_THREAD_SERIALIZED or higher (mpi4py asks for
+MPI_THREAD_MULTIPLE by default, so the caller's own MPI calls keep working beside ours).
 
 The engine thread never sits in a call that no deadline can end (a stopped peer, a network
 partition): every call it makes is non-blocking, so while one waits for a peer the thread
@@ -26,6 +28,7 @@ does (algorithms/reduction.py). bool reduces as torch means it (sum and max are 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import sys
@@ -42,7 +45,7 @@ from ..errors import MismatchError, UsageError
 from .channel import Endpoint
 from .posted import Posted, Running
 
-__all__ = ["MpiAdapter", "check_thread_level"]
+__all__ = ["MpiAdapter", "check_thread_level", "meet"]
 
 _SLOT = 64 << 10
 #: With every rank on one host, allreduces from this size up are blocking ``Allreduce`` calls
@@ -94,6 +97,41 @@ def check_thread_level() -> None:
             "makes every MPI call, which needs MPI_THREAD_SERIALIZED or higher: leave "
             "mpi4py.rc.thread_level at its default ('multiple') before importing mpi4py.MPI"
         )
+
+
+_ABANDONED: list[Any] = []  # what init gave up waiting for: MPI may still complete it
+
+
+def meet(comm: Any, deadline: float, timeout: float) -> tuple[list[Any], tuple[int, int], bool]:
+    """The four duplicates of ``comm`` the adapter runs on, this rank's place among the ranks
+    on its host, and whether every rank runs MPI at MPI_THREAD_MULTIPLE; TimeoutError once
+    ``deadline`` (monotonic) passes with a rank missing. Collective over ``comm``."""
+    mpi = _mpi()
+    dups = [comm.Idup() for _ in range(4)]
+    comms = [c for c, _ in dups]
+    _wait([r for _, r in dups], deadline, comms,
+          f"not every rank of the communicator ({comm.Get_size()} ranks) called "
+          f"init(backend='mpi') within its timeout of {timeout} s")  # fmt: skip
+    host = hashlib.blake2b(mpi.Get_processor_name().encode(), digest_size=8).digest()
+    table = np.zeros((comm.Get_size(), 2), np.uint64)  # every rank: (host, thread level)
+    rank = comm.Get_rank()
+    table[rank] = (int.from_bytes(host, "little"), mpi.Query_thread())
+    _wait([comms[0].Iallgather(mpi.IN_PLACE, table)], deadline, (comms, table),
+          f"a rank left init(backend='mpi') before it finished (timeout {timeout} s)")  # fmt: skip
+    same = table[:, 0] == table[rank, 0]
+    local = (int(same[:rank].sum()), int(same.sum()))
+    return comms, local, bool((table[:, 1] >= mpi.THREAD_MULTIPLE).all())
+
+
+def _wait(requests: list[Any], deadline: float, keep: Any, why: str) -> None:
+    """Test ``requests`` until all are done; TimeoutError(``why``) at ``deadline``, when they
+    are left to MPI (with ``keep``, what they use: a collective cannot be cancelled)."""
+    test = _mpi().Request.Testall
+    while not test(requests):
+        if time.monotonic() >= deadline:
+            _ABANDONED.append((requests, keep))
+            raise TimeoutError(why)
+        time.sleep(1e-4)
 
 
 class _Calls:
@@ -233,15 +271,14 @@ class MpiAdapter:
     name = "mpi"
 
     def __init__(
-        self, comm: Any, endpoint: Endpoint | None, one_host: bool, threads: bool
+        self, comms: list[Any], endpoint: Endpoint | None, one_host: bool, threads: bool
     ) -> None:  # fmt: skip
-        """``one_host``: every rank of ``comm`` shares this host; ``threads``: every rank
-        runs MPI at MPI_THREAD_MULTIPLE (connect.py asked them: every rank decides alike)."""
+        """``comms``: what ``meet`` made; ``one_host``: every rank shares this host;
+        ``threads``: every rank runs MPI at MPI_THREAD_MULTIPLE (every rank decides alike)."""
         mpi = _mpi()
         self._mpi = mpi
-        self._data, self._control, self._p2p = comm.Dup(), comm.Dup(), comm.Dup()
-        self._blocking = comm.Dup()
-        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self._data, self._control, self._p2p, self._blocking = comms
+        self.rank, self.world_size = self._data.Get_rank(), self._data.Get_size()
         self._helper = _Helper(self.rank, self) if one_host and threads else None
         self.endpoint: Endpoint = endpoint or MpiEndpoint(self._control)
         self.wake: Callable[[], None] = lambda: None  # the engine's: a helper's call returned

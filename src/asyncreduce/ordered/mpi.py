@@ -50,8 +50,8 @@ __all__ = ["MpiAdapter", "check_thread_level", "meet"]
 _SLOT = 64 << 10
 #: With every rank on one host, allreduces from this size up are blocking ``Allreduce`` calls
 #: made by a helper thread, on a communicator of their own, in the agreed order (mpi4py
-#: releases the GIL in them). Through the engine's polls, a non-blocking one took 3x as long
-#: (10 x 32 MiB, 2 ranks: 350-430 ms against 120-140 ms; measured). It needs
+#: releases the GIL in them). Through the engine's polls, a non-blocking one took 2-3x as long
+#: (10 x 32 MiB one by one, 2 ranks, 2 cores: 260-430 ms against 120-140 ms). It needs
 #: MPI_THREAD_MULTIPLE on every rank (mpi4py's default); otherwise they are non-blocking too.
 #: Across hosts they stay non-blocking, tested every ``_POLL``: a blocking call over TCP spins a
 #: core the caller's computation needs (``bench overlap --hosts``).

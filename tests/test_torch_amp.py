@@ -28,8 +28,6 @@ seconds) and are cached for the tests that check them. The CUDA variant (fp16 an
 
 from __future__ import annotations
 
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import asyncreduce as ar  # noqa: E402
 import asyncreduce.torch as art  # noqa: E402
 from spmd import free_port, run_ranks  # noqa: E402
+from test_torch_ddp import run_scenarios  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 
@@ -197,21 +196,7 @@ def run_one(comm: ar.Communicator, key: str) -> dict[str, Any]:
 
 
 def body(comm: ar.Communicator, gloo_port: int, keys: list[str]) -> dict[str, dict[str, Any]]:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}",
-                            rank=comm.rank, world_size=comm.world_size)  # fmt: skip
-    results: dict[str, dict[str, Any]] = {}
-    try:
-        for key in keys:
-            try:
-                results[key] = run_one(comm, key)
-            except Exception:  # noqa: BLE001 - reported to that scenario's test
-                tb = traceback.format_exc()
-                print(f"--- {key!r} failed on rank {comm.rank} ---\n{tb}", file=sys.stderr)
-                results[key] = {"error": tb}
-    finally:
-        dist.destroy_process_group()
-    return results
+    return run_scenarios(comm, gloo_port, keys, run_one)
 
 
 KEYS = [f"{kind}/{mode}" for kind in ("amp", "skip") for mode in EXACT]

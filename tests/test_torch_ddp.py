@@ -320,6 +320,15 @@ def run_one(comm: ar.Communicator, key: str) -> dict[str, Any]:
 
 
 def body(comm: ar.Communicator, gloo_port: int, keys: list[str]) -> dict[str, dict[str, Any]]:
+    return run_scenarios(comm, gloo_port, keys, run_one)
+
+
+def run_scenarios(
+    comm: ar.Communicator, gloo_port: int, keys: list[str],
+    run: Callable[[ar.Communicator, str], dict[str, Any]],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """``run(comm, key)`` for each scenario inside a Gloo job beside ``comm`` (DDP's side); a
+    scenario that raises is reported to its own test, and the others go on."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}",
                             rank=comm.rank, world_size=comm.world_size)  # fmt: skip
@@ -327,7 +336,7 @@ def body(comm: ar.Communicator, gloo_port: int, keys: list[str]) -> dict[str, di
     try:
         for key in keys:
             try:
-                results[key] = run_one(comm, key)
+                results[key] = run(comm, key)
             except Exception:  # noqa: BLE001 - reported to that scenario's test
                 tb = traceback.format_exc()
                 print(f"--- {key!r} failed on rank {comm.rank} ---\n{tb}", file=sys.stderr)

@@ -172,7 +172,22 @@ def _open_store(place: Place, timeout: float) -> tuple[Store, bool]:
     if meeting.kind == "mpi":
         return _store_through_mpi(place, timeout), rank == 0
     assert meeting.host is not None and meeting.port is not None
+    if meeting.derived:
+        _warn_derived(place, meeting.host, meeting.port)
     return TCPStore(meeting.host, meeting.port, is_server=rank == 0, timeout=timeout), rank == 0
+
+
+def _warn_derived(place: Place, host: str, port: int) -> None:
+    """Without a secret, warn that a port derived from the job id can be taken first."""
+    if secret_from_env() is not None:
+        return
+    log.warning(
+        "SECURITY: the ranks meet at %s:%d, a port derived from the job id (%s): another user "
+        "of a host of this job can predict it and serve a store of their own there first. A "
+        "rank refuses a store or a rank of another user on its own host, but no rank on "
+        "another host can tell. Set ASYNCREDUCE_SECRET (or ASYNCREDUCE_SECRET_FILE) on every "
+        "rank; MASTER_PORT chooses the port", host, port, place.launcher,
+    )  # fmt: skip
 
 
 def _store_through_mpi(place: Place, timeout: float) -> TCPStore:

@@ -44,12 +44,14 @@ __all__ = ["Place", "Rendezvous", "detect"]
 class Rendezvous:
     """Where the ranks meet. ``kind``: "serve" (rank 0 serves our store at host:port),
     "agent" (torchrun's store at host:port), "url" (``init_method``), "mpi" (rank 0 serves
-    and tells the others through MPI)."""
+    and tells the others through MPI). ``derived``: the port was derived from the job id
+    (mpirun on one host, srun), so anyone on the host can predict it (docs/security.md)."""
 
     kind: str
     host: str | None = None
     port: int | None = None
     url: str | None = None
+    derived: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ def _from_launcher(env: Mapping[str, str]) -> Place | None:
         raise UsageError(str(exc)) from None
     if task is not None:
         _agree_with_plain(env, "srun", task.rank, task.world_size, "SLURM_PROCID", "SLURM_NTASKS")
+        meeting = Rendezvous("serve", task.master_addr, task.master_port,
+                             derived=not env.get("MASTER_PORT"))  # fmt: skip
         return Place(task.rank, task.world_size, task.local_rank, task.local_world_size,
-                     "srun", Rendezvous("serve", task.master_addr, task.master_port))  # fmt: skip
+                     "srun", meeting)  # fmt: skip
     if "RANK" in env or "WORLD_SIZE" in env:
         return _plain(env, "environment", Rendezvous("serve"))
     return None
@@ -213,12 +217,13 @@ def _with_rendezvous(
     if place.world_size == 1:
         return place  # nobody to meet
     explicit = addr is not None or port is not None
+    chosen = port is not None or _port_or_none(env) is not None  # a port someone chose
     addr = addr or env.get("MASTER_ADDR") or meeting.host
     port = port if port is not None else _port_or_none(env) or meeting.port
     if init_method is not None:
         meeting = Rendezvous("url", url=init_method)
     elif explicit:  # init(master_addr=..., master_port=...): rank 0 serves there
-        meeting = Rendezvous("serve", addr, port)
+        meeting = Rendezvous("serve", addr, port, derived=meeting.derived and not chosen)
     elif meeting.kind == "agent":
         if addr is None or port is None:
             raise UsageError("torchrun set TORCHELASTIC_USE_AGENT_STORE but not MASTER_ADDR "
@@ -227,7 +232,7 @@ def _with_rendezvous(
     elif meeting.kind == "mpi":
         meeting = _mpi_rendezvous(place, addr, port, env)
     else:
-        meeting = Rendezvous("serve", addr, port)
+        meeting = Rendezvous("serve", addr, port, derived=meeting.derived and not chosen)
     if meeting.kind == "serve" and (meeting.host is None or meeting.port is None):
         missing = [n for n, v in (("MASTER_ADDR", meeting.host), ("MASTER_PORT", meeting.port))
                    if v is None]  # fmt: skip
@@ -250,7 +255,8 @@ def _mpi_rendezvous(
     job = env.get("OMPI_MCA_ess_base_jobid", "")  # noqa: SIM112 (Open MPI's spelling)
     if place.local_world_size == place.world_size and job.isdigit():
         # below Linux's ephemeral range (32768 and up), where no connection of ours can hold it
-        return Rendezvous("serve", addr or "127.0.0.1", port or 12000 + int(job) % 20000)
+        return Rendezvous("serve", addr or "127.0.0.1", port or 12000 + int(job) % 20000,
+                          derived=port is None)  # fmt: skip
     if importlib.util.find_spec("mpi4py") is not None:
         return Rendezvous("mpi")
     raise UsageError(

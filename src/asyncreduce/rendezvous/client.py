@@ -17,7 +17,13 @@ from collections.abc import Sequence
 
 from ..auth import NONCE_BYTES, PROOF_BYTES, ClientHandshake, Secret
 from ..errors import BrokenError, ClosedError, UsageError
-from ..transport.listener import host_port, needs_secret, recv_exact, unexpected_secret
+from ..transport.listener import (
+    check_peer_user,
+    host_port,
+    needs_secret,
+    recv_exact,
+    unexpected_secret,
+)
 from .wire import (
     _CONTEXT,
     _ERR,
@@ -72,7 +78,8 @@ def _greet(sock: socket.socket, deadline: float, secret: Secret | None, where: s
 def _connect(host: str, port: int, timeout: float, secret: Secret | None) -> socket.socket:
     """A greeted (and authenticated) connection to the store, retrying until ``timeout``.
 
-    Retries because the server may start later; an AuthenticationError is not retried.
+    Retries because the server may start later; an AuthenticationError is not retried, nor
+    a server of another user of this host (UsageError naming its uid: transport/listener.py).
     """
     deadline = time.monotonic() + timeout
     delay = 0.01
@@ -85,6 +92,7 @@ def _connect(host: str, port: int, timeout: float, secret: Secret | None) -> soc
             last = exc
         else:
             try:
+                check_peer_user(sock, f"the store at {where}")  # before a byte is sent to it
                 _greet(sock, deadline, secret, where)
                 return sock
             except _WrongPeer as exc:

@@ -155,13 +155,7 @@ def run_job(
                 raise AssertionError(f"ranks hung; finished: {sorted(results)}") from None
             results[rank] = (result, seconds, logs)
     finally:
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        out.close()
-        out.join_thread()
+        _reap(procs, out)
     return results
 
 
@@ -476,6 +470,17 @@ def _start(rank: int, port: int, out: Any) -> Any:
     return proc
 
 
+def _reap(procs: list[Any], out: Any) -> None:
+    """Join the rank processes (killing any still alive after 5 s) and close their queue."""
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    out.close()
+    out.join_thread()
+
+
 def _results(out: Any, procs: list[Any], seconds: float) -> dict[int, tuple[str, str]]:
     results: dict[int, tuple[str, str]] = {}
     try:
@@ -483,13 +488,7 @@ def _results(out: Any, procs: list[Any], seconds: float) -> dict[int, tuple[str,
             rank, result = out.get(timeout=seconds)
             results[rank] = result
     finally:
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        out.close()
-        out.join_thread()
+        _reap(procs, out)
     return results
 
 

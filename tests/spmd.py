@@ -9,6 +9,7 @@ does not finish within ``timeout`` seconds fails the test (a hang never stalls t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -285,6 +286,25 @@ def shm_files(pid: int | None = None) -> list[str]:
     """asyncreduce's files in /dev/shm (of process ``pid`` only, if given): none may be left."""
     prefix = "asyncreduce-" if pid is None else f"asyncreduce-{pid}-"
     return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
+def shm_segments() -> list[str]:
+    """The shared memory this process still holds: files in /dev/shm, and the anonymous
+    segments (memfd) it maps or keeps open, where a leak shows now that segments are unnamed."""
+    return shm_files() + sorted(_memfd_segments(os.getpid()))
+
+
+def _memfd_segments(pid: int) -> set[str]:
+    """The asyncreduce memfd segments process ``pid`` maps or holds a descriptor of."""
+    mark, held = "/memfd:asyncreduce-", set()
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        held |= {" ".join(line.split()[4:]) for line in maps if mark in line}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                held |= {target} if target.startswith(mark) else set()
+    return held
 
 
 def window_against_ordinary(comm: ar.Communicator, count: int) -> str:

@@ -23,7 +23,7 @@ import pytest
 import asyncreduce as ar
 from asyncreduce.flight import culprit, load_dumps
 from faults import SCALE, report
-from spmd import _CTX, free_port, run_ranks, shm_files
+from spmd import _CTX, free_port, run_ranks, shm_segments
 
 TRANSPORTS = {"shm": {"ASYNCREDUCE_SHM": "1"}, "tcp": {"ASYNCREDUCE_SHM": "0"}}
 SIZES = {"small": 1024, "large": 8 << 20}  # float32 elements: 4 KiB and 32 MiB
@@ -245,7 +245,7 @@ def test_abort_returns_fast_with_a_thousand_requests_and_peers_follow() -> None:
 
 def _resources() -> tuple[int, int, int]:
     fds = len(os.listdir("/proc/self/fd"))
-    shm = len(shm_files())
+    shm = len(shm_segments())
     return fds, threading.active_count(), shm
 
 

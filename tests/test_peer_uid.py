@@ -24,7 +24,7 @@ import pytest
 import asyncreduce as ar
 from asyncreduce.errors import UsageError
 from asyncreduce.rendezvous import TCPStore
-from asyncreduce.transport import listener
+from asyncreduce.transport import owner
 from asyncreduce.transport.mesh import _hello, connect_mesh
 from spmd import free_port
 
@@ -180,19 +180,19 @@ def test_both_ends_of_a_loopback_connection_are_found_and_are_this_user() -> Non
         client = socket.create_connection(server.getsockname())
         accepted, _ = server.accept()
         with client, accepted:
-            assert listener.peer_uid(client) == listener.peer_uid(accepted) == os.geteuid()
-            assert listener.other_user(accepted, held=True) is None
-            listener.check_peer_user(client, "the store")  # no error: this user
-            ends = [(listener._address(host), port) for host, port in
+            assert owner.peer_uid(client) == owner.peer_uid(accepted) == os.geteuid()
+            assert owner.other_user(accepted, held=True) is None
+            owner.check_peer_user(client, "the store")  # no error: this user
+            ends = [(owner._address(host), port) for host, port in
                     (accepted.getsockname(), accepted.getpeername())]  # fmt: skip
-            for ask in (listener._diag, listener._table):  # the fast way and the slow one agree
+            for ask in (owner._diag, owner._table):  # the fast way and the slow one agree
                 assert ask(*ends) == (os.geteuid(), os.fstat(accepted.fileno()).st_ino)
                 assert ask(*ends[::-1]) == (os.geteuid(), os.fstat(client.fileno()).st_ino)
     with socket.create_server(("::1", 0), family=socket.AF_INET6) as server:
         client = socket.create_connection(server.getsockname()[:2])
         accepted, _ = server.accept()
         with client, accepted:
-            assert listener.peer_uid(client) == listener.peer_uid(accepted) == os.geteuid()
+            assert owner.peer_uid(client) == owner.peer_uid(accepted) == os.geteuid()
 
 
 def test_a_client_that_closed_before_it_was_accepted_is_refused_unread() -> None:
@@ -204,10 +204,10 @@ def test_a_client_that_closed_before_it_was_accepted_is_refused_unread() -> None
         time.sleep(0.05)  # its FIN arrives: the socket is an orphan, then a time-wait remnant
         accepted, _ = server.accept()
         with accepted:
-            assert listener.other_user(accepted, held=True) == (
+            assert owner.other_user(accepted, held=True) == (
                 "no process (its socket is closed or gone)"
             )
-            assert listener.other_user(accepted) is None  # a client does not ask this
+            assert owner.other_user(accepted) is None  # a client does not ask this
 
 
 def test_another_users_end_is_refused_by_the_client_and_the_server(
@@ -216,7 +216,7 @@ def test_another_users_end_is_refused_by_the_client_and_the_server(
     caplog.set_level(logging.WARNING, logger="asyncreduce")
     stranger = os.geteuid() + 4242
     with TCPStore(LOCAL, 0, is_server=True, timeout=5.0, secret=None) as store:
-        monkeypatch.setattr(listener, "_lookup", lambda sock: (True, (stranger, 7)))
+        monkeypatch.setattr(owner, "_lookup", lambda sock: (True, (stranger, 7)))
         start = time.monotonic()
         refused = rf"another user of this host \(uid {stranger}"
         with pytest.raises(UsageError, match=refused) as info:

@@ -17,13 +17,8 @@ from collections.abc import Sequence
 
 from ..auth import NONCE_BYTES, PROOF_BYTES, ClientHandshake, Secret
 from ..errors import BrokenError, ClosedError, UsageError
-from ..transport.listener import (
-    check_peer_user,
-    host_port,
-    needs_secret,
-    recv_exact,
-    unexpected_secret,
-)
+from ..transport.listener import host_port, needs_secret, recv_exact, unexpected_secret
+from ..transport.owner import check_peer_user
 from .wire import (
     _CONTEXT,
     _ERR,

@@ -152,9 +152,9 @@ class Engine(FrameSink):
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
-        said goodbye), if it must: what ``submit`` raises (without ``goodbyes``: the session
-        judges those once it has the frames); the lane asks it without the lock, with them
-        (its allreduce needs every rank; it refuses posts itself once closed)."""
+        said goodbye), if it must. ``submit`` and the lane ask without ``goodbyes``: the
+        session judges an engine operation on the frames the departed rank sent first, and
+        the lane one on whether the departed rank's slot holds it (``Lane.watch``)."""
         if self._closing.is_set():
             return ClosedError(f"{label}: the communicator is closed")
         session = self.session

@@ -77,9 +77,9 @@ class Session:
 
     def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken, or (``goodbyes``: for the lane's allreduce, which needs every rank) a rank
-        said goodbye. An engine operation posted after a goodbye is judged by ``post``
-        instead, on the frames the departed rank sent first."""
+        broken, or (``goodbyes``) a rank said goodbye. The engine and the lane ask without
+        ``goodbyes``: an engine operation posted after a goodbye is judged by ``post``, on the
+        frames the departed rank sent first; a lane operation by the departed rank's slot."""
         if self.broken is not None:
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken

@@ -194,6 +194,20 @@ def body_cpu_staged(comm: ar.Communicator) -> dict[str, Any]:
         out["gated"] = (got is grad, grad.tolist(), host.tolist(), list(device.log))
         device.gate = None
 
+        # a broadcast's leaf copies nothing out, yet its copy back waits for the tensor's last
+        # writers (a "kernel" still running on rank 1) before it overwrites the tensor
+        y = torch.full((5,), float(rank))
+        if rank == 1:
+            device.gate = threading.Event()
+        bcast = stager.ibroadcast(y, stager.host_buffer(5, torch.float32), 0, name="gated-bcast")
+        time.sleep(0.3)
+        early = y.tolist()
+        if device.gate is not None:
+            device.gate.set()
+        bcast.wait(timeout=20)
+        out["bcast"] = (early, y.tolist())
+        device.gate = None
+
         unnamed = None
         try:
             art.iallreduce(comm, grad)
@@ -317,6 +331,14 @@ def test_staged_allreduce_goes_through_the_host_buffer_in_order() -> None:
             ("synchronize", back_thread),
             ("wait current", "MainThread"),  # wait(): the consumer's stream after the copy back
         ], f"rank {rank}: {log}"
+
+
+@pytest.mark.timeout(120)
+def test_a_broadcast_leaf_overwrites_its_tensor_only_after_its_last_writers() -> None:
+    for rank, out in cpu_results().items():
+        early, final = out["bcast"]
+        assert early == [float(rank)] * 5, f"rank {rank}: overwritten while still being written"
+        assert final == [0.0] * 5, f"rank {rank}: {final}"
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,9 @@ collective of the chunk before it and the copy back of the one before that all o
    of the one it waits for, so the copy engine never idles while it posts: once a chunk's copy
    has landed it posts the chunk's host collective (named ``name``, or ``name#k`` for chunk k).
 3. When a chunk's collective completes, the *back* thread queues its copy host -> device on
-   its stream, again one ahead of the one it waits for. Once every chunk is back the request
+   its stream, again one ahead of the one it waits for (where nothing was copied out, as on a
+   broadcast's leaves, that stream first waits for ``ready``: the tensor's last writers). Once
+   every chunk is back the request
    completes, holding the event of the last copy back: a request that is done holds its result
    on the device for every stream and every thread. ``wait()`` also makes the caller's current
    stream wait for that event, so the consumer's kernels are ordered after the copy on the GPU.
@@ -87,6 +89,7 @@ class _Staged:
                  release: Callable[[], None] | None) -> None:  # fmt: skip
         self.tensor, self.flat, self.host = tensor, tensor.reshape(-1), host
         self.release = release  # called once the host twin is free, before the request ends
+        self.ready: Any = None  # the event of the caller's stream at the post
         self.post, self.request = post, request
         # (copy out, copy back): a broadcast's root sends and keeps, its leaves only receive
         self.copy_out, self.copy_back = moves
@@ -244,8 +247,8 @@ class Stager:
             f"staged {name!r}", self._live()._runner, self._device
         )
         staged = _Staged(tensor, host, name, post, request, moves, release)
-        ready = self._device.record(None) if moves[0] else None
-        self._out.submit(_CopyOut(self, staged, ready))
+        staged.ready = self._device.record(None)  # (a broadcast's leaves: its last writers)
+        self._out.submit(_CopyOut(self, staged))
         return request
 
     def _posted(self, staged: _Staged, k: int) -> None:
@@ -271,14 +274,16 @@ class Stager:
 class _CopyOut:
     """The out thread's job for one operation: every chunk to the host, each then posted."""
 
-    def __init__(self, stager: Stager, staged: _Staged, ready: Any) -> None:
-        self.stager, self.staged, self.ready = stager, staged, ready
+    def __init__(self, stager: Stager, staged: _Staged) -> None:
+        self.stager, self.staged = stager, staged
         self.steps = len(staged.chunks)
 
     def start(self, k: int, device: Device, stream: Any) -> Any:
-        if k == 0 and self.ready is not None:
-            device.wait(self.ready, stream)  # the producer's kernels first (on the device)
-        part = self.staged.device_part(k) if self.staged.copy_out else None
+        if not self.staged.copy_out:
+            return None
+        if k == 0:
+            device.wait(self.staged.ready, stream)  # the producer's kernels first (on the device)
+        part = self.staged.device_part(k)
         if part is None:
             return None
         piece, host = part
@@ -302,6 +307,8 @@ class _CopyBack:
         self.event: Any = None
 
     def start(self, _: int, device: Device, stream: Any) -> Any:
+        if not self.staged.copy_out:  # nothing ordered this copy after the tensor's last
+            device.wait(self.staged.ready, stream)  # writers yet: wait for them (on the device)
         part = self.staged.device_part(self.k) if self.staged.copy_back else None
         if part is not None:
             piece, host = part

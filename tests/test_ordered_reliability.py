@@ -221,3 +221,34 @@ def test_mpi_init_is_bounded_by_its_timeout_when_a_rank_never_calls_it(tmp_path:
     assert kind == "TimeoutError", (kind, message)
     assert 2.0 <= elapsed <= 3.0, elapsed
     assert "init" in message and "2" in message, message
+
+
+# ---- item 1's helper thread: gone once close() returned ------------------------------------------
+
+
+class _Wakes:
+    """What the helper needs of its adapter: a ``wake`` to call once a run of calls returned."""
+
+    def wake(self) -> None:
+        pass
+
+
+def test_the_mpi_blocking_helper_is_joined_by_stop_when_it_is_idle() -> None:
+    """close() checks that no asyncreduce thread is left (CI once found the helper still alive
+    right after close, test_comm's body_close_pending under mpi): stop() joins an idle helper.
+    A helper that is stuck in a call stays abandoned: stop() returns within its bound."""
+    from asyncreduce.ordered.mpi import _Helper
+
+    for _ in range(20):
+        helper = _Helper(0, _Wakes())
+        job = helper.call(lambda: None, None)
+        helper.stop()
+        assert job.done()
+        assert not helper._thread.is_alive()
+    stuck = _Helper(0, _Wakes())
+    gate = __import__("threading").Event()
+    stuck.call(gate.wait, None)
+    start = time.monotonic()
+    stuck.stop(wait=0.2)
+    assert time.monotonic() - start < 1.0 and stuck._thread.is_alive()
+    gate.set()

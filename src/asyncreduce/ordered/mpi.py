@@ -209,9 +209,11 @@ class _Helper:
             if self._jobs.empty():  # (a run of calls wakes it once, at its end: on a busy
                 self._adapter.wake()  # host, a thread woken meanwhile slows the calls)
 
-    def stop(self) -> None:
-        """End the thread once it is idle (a call it is stuck in keeps it, abandoned)."""
+    def stop(self, wait: float = 1.0) -> None:
+        """End the thread, waiting up to ``wait`` s for it: an idle one ends at once, so no
+        thread outlives close(); one stuck in a call keeps it, abandoned."""
         self._jobs.put(None)
+        self._thread.join(wait)
 
 
 class _Receive:
@@ -375,7 +377,7 @@ class MpiAdapter:
         cancel for collectives, and freeing what a pending call uses is erroneous)."""
         self.endpoint.cancel()
         if self._helper is not None:
-            self._helper.stop()
+            self._helper.stop(0.0 if pending else 1.0)
         if pending:
             return
         for op in self._ops.values():

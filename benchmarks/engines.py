@@ -117,7 +117,7 @@ def _worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import asyncreduce as ar
-    from asyncreduce.ordered.fusion import FUSION_BYTES
+    from asyncreduce.backends.ordered.fusion import FUSION_BYTES
 
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()

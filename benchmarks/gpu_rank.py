@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_setup import ROWS, STANDIN, make_trainer, skipped_why
+from gpu_setup import ROWS, STANDIN, agree, error_text, make_trainer, skipped_why
 
 __all__ = ["Env", "Row", "worker"]
 
@@ -75,18 +75,6 @@ class Row:
 # ---- agreement and the row timeout --------------------------------------------------------------
 
 
-def _agree(error: str | None) -> str | None:
-    """The first error any rank had in this phase (every rank calls it), else None."""
-    import torch.distributed as dist
-
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, error)
-    for rank, found in enumerate(everyone):
-        if found:
-            return f"rank {rank}: {found}"
-    return None
-
-
 @contextlib.contextmanager
 def _deadline(env: Env, where: str, phase: str) -> Iterator[None]:
     """Tell the parent where we are; end the process if this takes over ``row_timeout``."""
@@ -98,11 +86,6 @@ def _deadline(env: Env, where: str, phase: str) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
-def _error_text(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    return text[:300]
-
-
 def _phase(env: Env, live: dict[str, Row], phase: str, body: Callable[[Row], None]) -> None:
     """``body`` for every live row in turn; a row that failed on any rank leaves ``live``."""
     for key in list(live):
@@ -112,8 +95,8 @@ def _phase(env: Env, live: dict[str, Row], phase: str, body: Callable[[Row], Non
             try:
                 body(row)
             except Exception as exc:  # noqa: BLE001 - reported in the row, the others go on
-                error = _error_text(exc)
-            error = _agree(error)
+                error = error_text(exc)
+            error = agree(error)
         if error is not None:
             row.result = {"key": key, "status": f"error: {error} (in {phase})"}
             env.tell("row", **row.result)
@@ -364,15 +347,15 @@ def _join_groups(env: Env) -> None:
     try:
         env.groups["asyncreduce"] = dist.new_group(backend="asyncreduce")
     except Exception as exc:  # noqa: BLE001 - the DDP-over-asyncreduce row reports it
-        env.groups["asyncreduce"] = _error_text(exc)
+        env.groups["asyncreduce"] = error_text(exc)
     if skipped_why("ddp_nccl", env):
         return
     try:
         env.groups["nccl"] = dist.new_group(backend="nccl")
         env.nccl_comm = ar.init(backend="torch", group=env.groups["nccl"])
     except Exception as exc:  # noqa: BLE001 - the NCCL rows report it
-        env.groups.setdefault("nccl", _error_text(exc))
-        env.nccl_comm = _error_text(exc)
+        env.groups.setdefault("nccl", error_text(exc))
+        env.nccl_comm = error_text(exc)
 
 
 def _close(env: Env) -> None:

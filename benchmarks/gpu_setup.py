@@ -29,7 +29,9 @@ __all__ = [
     "ROWS",
     "STANDIN",
     "Trainer",
+    "agree",
     "dataset",
+    "error_text",
     "make_trainer",
     "skipped_why",
 ]
@@ -149,3 +151,21 @@ def _ddp(env: Any, key: str, module: Any) -> Any:
         group = _usable(env.groups.get("asyncreduce"), "the asyncreduce process group")
     ids = None if env.device.type == "cpu" else [env.device.index]
     return DDP(module, device_ids=ids, process_group=group)
+
+
+def agree(error: str | None) -> str | None:
+    """The first error any rank had in this phase (every rank calls it), else None."""
+    import torch.distributed as dist
+
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    for rank, found in enumerate(everyone):
+        if found:
+            return f"rank {rank}: {found}"
+    return None
+
+
+def error_text(exc: BaseException) -> str:
+    """The first line of what ``exc`` says, at most 300 characters: one row's error."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text[:300]

@@ -84,7 +84,7 @@ def _one_size(env: Any, size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from gpu_rank import _agree, _error_text
+    from gpu_setup import agree, error_text
 
     ops = _ops(env, size)
     reps = int(env.settings["reps"][str(size)])
@@ -101,8 +101,8 @@ def _one_size(env: Any, size: int) -> dict[str, Any]:
                 ops[kind](rep)
                 took = time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001 - reported for this kind, the others go on
-                error = _error_text(exc)
-            error = _agree(error)
+                error = error_text(exc)
+            error = agree(error)
             if error is not None:
                 errors[kind] = error
             elif rep:

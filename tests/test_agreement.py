@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncreduce.algorithms import DTYPES
+from asyncreduce.backends.ordered.agreement import Agreement, AgreementError, Entry, decode, encode
+from asyncreduce.backends.ordered.backend import OrderedBackend
+from asyncreduce.backends.ordered.fusion import Call, complete
+from asyncreduce.backends.ordered.posted import Posted
 from asyncreduce.buffers import device_buffer
 from asyncreduce.flight import FlightRecorder
-from asyncreduce.ordered.agreement import Agreement, AgreementError, Entry, decode, encode
-from asyncreduce.ordered.backend import OrderedBackend
-from asyncreduce.ordered.fusion import Call, complete
-from asyncreduce.ordered.posted import Posted
 from asyncreduce.plans import Plan
 from asyncreduce.protocol import ON_DEVICE, describe
 from asyncreduce.request import CallbackRunner, Request

@@ -54,13 +54,13 @@ from asyncreduce.algorithms import (
     build,
     combine,
     finalize,
-    reduction,
     reduction_refused,
     segments,
     split,
 )
-from asyncreduce.bootstrap import _unreadable
+from asyncreduce.bootstrap.samehost import _unreadable
 from asyncreduce.cma import CrossMemory
+from asyncreduce.kernels import reduction
 from network import Network, quiet_floats  # the fake wire
 
 DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16", "int8",

@@ -30,8 +30,8 @@ import pytest
 
 import asyncreduce as ar
 from asyncreduce.algorithms import KINDS, REDUCTION_CODES
-from asyncreduce.algorithms.reduction import DTYPES, fold
 from asyncreduce.buffers import as_buffer
+from asyncreduce.kernels.reduction import DTYPES, fold
 from asyncreduce.lane import Lane, LaneOp
 from asyncreduce.mailbox import HERE, SLOTS, Core, Mailbox, NativeMailbox, header, region_bytes
 from asyncreduce.request import CallbackRunner, Request

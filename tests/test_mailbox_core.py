@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from asyncreduce.algorithms import KINDS, REDUCTION_CODES
-from asyncreduce.algorithms.reduction import DTYPES, reduction_refused
+from asyncreduce.kernels.reduction import DTYPES, reduction_refused
 from asyncreduce.mailbox import (
     AGREED,
     DIFFERENT,
@@ -240,3 +240,25 @@ def test_the_set_up_command_built_it_where_a_compiler_is() -> None:
     """(Every other test here is skipped where it was not built: this one fails instead where
     it should have been.)"""
     assert shutil.which("cc") is None or Core is not None
+
+
+def test_the_c_fold_codes_are_the_kernels_code_table() -> None:
+    """_fold.h restates kernels/reduction.py's codes as C enums: each name there must carry the
+    code the table gives it (a renumbered reduction would otherwise fold the wrong way)."""
+    import re
+    from pathlib import Path
+
+    import asyncreduce
+
+    header = (Path(asyncreduce.__file__).parent / "_fold.h").read_text()
+    enums = {name: int(code) if code else None
+             for block in re.findall(r"enum \{([^}]*)\}", header)
+             for name, code in re.findall(r"AR_(\w+)(?: = (\d+))?", block)}  # fmt: skip
+    reductions, previous = {}, 0
+    for name in [n for n in enums if n.lower() in REDUCTION_CODES]:  # `= 1`, then counting up
+        reductions[name.lower()] = previous = enums[name] or previous + 1
+    assert reductions == REDUCTION_CODES
+    short = {"F32": "float32", "F64": "float64", "I32": "int32", "I64": "int64", "U8": "uint8",
+             "I8": "int8", "I16": "int16"}  # fmt: skip
+    typed = {short[n]: code for n, code in enums.items() if n in short}
+    assert typed == {name: DTYPES[name].code for name in typed} and len(typed) == len(short)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
-from asyncreduce.ordered.liveness import Liveness
+from asyncreduce.backends.ordered.liveness import Liveness
 from spmd import mpi_available, run_ranks
 
 needs_mpi = pytest.mark.skipif(not mpi_available(), reason="needs Open MPI")
@@ -237,7 +237,7 @@ def test_the_mpi_blocking_helper_is_joined_by_stop_when_it_is_idle() -> None:
     """close() checks that no asyncreduce thread is left (CI once found the helper still alive
     right after close, test_comm's body_close_pending under mpi): stop() joins an idle helper.
     A helper that is stuck in a call stays abandoned: stop() returns within its bound."""
-    from asyncreduce.ordered.mpi import _Helper
+    from asyncreduce.backends.ordered.mpi import _Helper
 
     for _ in range(20):
         helper = _Helper(0, _Wakes())

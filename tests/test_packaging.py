@@ -85,7 +85,7 @@ def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_pat
         "assert t.native_take is None and not t.native_take_wanted()\n"
         "r = [np.zeros(m.region_bytes(), np.uint8) for _ in range(2)]\n"
         "a, b = m.Mailbox(0, r[0], {1: r[1]}), m.Mailbox(1, r[1], {0: r[0]})\n"
-        "from asyncreduce.algorithms.reduction import DTYPES\n"
+        "from asyncreduce.kernels.reduction import DTYPES\n"
         "h = m.header(m.HERE, (1, 2, 1, 0, 3))\n"
         "a.publish(0, h, np.ones(3, np.float32)); b.publish(0, h, np.full(3, 2, np.float32))\n"
         "out = np.empty(3, np.float32)\n"

@@ -228,7 +228,7 @@ def test_another_users_end_is_refused_by_the_client_and_the_server(
 
 
 def _derived_port_serve(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    from asyncreduce.bootstrap import _open_store
+    from asyncreduce.bootstrap.stores import open_store
     from asyncreduce.launchers import detect
 
     place = detect(env=env)
@@ -236,7 +236,7 @@ def _derived_port_serve(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) ->
     port = free_port()
     place = type(place)(0, place.world_size, 0, place.world_size, place.launcher,
                         type(place.rendezvous)("serve", LOCAL, port, derived=True))  # fmt: skip
-    store, serving = _open_store(place, 5.0)
+    store, serving = open_store(place, 5.0)
     store.close()
     assert serving
 

@@ -464,8 +464,8 @@ def test_the_sans_io_packages_import_no_socket_thread_or_clock(package: str) -> 
 
 
 def test_the_frame_checks_know_exactly_the_codes_the_algorithms_define() -> None:
-    """transport/ may not import algorithms/, so frame.py restates the code ranges it checks:
-    this keeps the two in step (a new kind or dtype that frames refuse fails here)."""
+    """transport/ may not import algorithms/, so frame.py restates the kinds it checks (its
+    dtypes and reductions come from kernels/): this keeps them in step."""
     from asyncreduce.algorithms import DTYPES, KINDS, REDUCTION_CODES
     from asyncreduce.transport import frame
 

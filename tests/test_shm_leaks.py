@@ -95,13 +95,13 @@ def test_a_rank_killed_while_it_waits_in_shared_empty_leaves_nothing_in_dev_shm(
 
 def _arena_rank(port: int, out: Any) -> None:
     """Rank 0 of 2 in the arena step: rank 1 is on this host but never comes (it exited)."""
-    from asyncreduce.bootstrap import _identity, _share_memory
+    from asyncreduce.bootstrap.samehost import identity, share_memory
     from asyncreduce.rendezvous import TCPStore
 
     store = TCPStore("127.0.0.1", port, is_server=False, timeout=30, secret=None)
     out.put(os.getpid())
-    me = _identity()
-    _share_memory(store, 0, 2, [me, me], time.monotonic() + 60)
+    me = identity()
+    share_memory(store, 0, 2, [me, me], time.monotonic() + 60)
 
 
 @pytest.mark.timeout(60)
@@ -118,7 +118,7 @@ def test_a_rank_killed_while_it_waits_in_the_arena_step_leaves_nothing_in_dev_sh
             named = shm_files(victim.pid)
             _kill(victim, signal.SIGTERM)
             left = _clean(victim.pid)
-            assert not left, f"rank 0 was killed (SIGTERM) in _share_memory and left {left}"
+            assert not left, f"rank 0 was killed (SIGTERM) in share_memory and left {left}"
             assert not named, f"an arena was named in /dev/shm while it was made: {named}"
         finally:
             _clean(victim.pid)

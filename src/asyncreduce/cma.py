@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .algorithms import Array, ProtocolError
-from .algorithms.reduction import DTYPES
+from .kernels.reduction import DTYPES
 
 _WIDEST = max(d.itemsize for d in DTYPES.values())  # complex128: one element of any dtype
 

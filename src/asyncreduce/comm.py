@@ -34,6 +34,7 @@ from . import forks, plans
 from .algorithms import REDUCIBLE, Array, reduction_refused
 from .backends import Backend, backend_for
 from .backends.native import DirectCalls, NativeBackend
+from .backends.ordered.engine import OrderedEngine
 from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
 from .cma import CrossMemory
@@ -42,7 +43,6 @@ from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key, Keys, p2p_name
 from .lane import lane_wanted
 from .mailbox import native_wanted, open_mailbox, region_bytes
-from .ordered.engine import OrderedEngine
 from .planes import DataPlane
 from .plans import Plan
 from .request import CallbackRunner, Request

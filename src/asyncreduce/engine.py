@@ -46,9 +46,9 @@ import numpy as np
 
 from . import forks
 from .algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly, Send
-from .algorithms.reduction import quiet_numpy
 from .errors import BrokenError, ClosedError, UsageError
 from .flight import FlightRecorder
+from .kernels.reduction import quiet_numpy
 from .lane import Lane, LaneOp
 from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
 from .protocol.failure import broken_by, closed_under

@@ -41,8 +41,8 @@ from typing import TypeAlias
 import numpy as np
 
 from .algorithms import SMALL_ALLREDUCE_BYTES, Array
-from .algorithms.reduction import DType, fold_quietly
 from .envvars import native_allowed
+from .kernels.reduction import DType, fold_quietly
 
 try:
     from ._mailbox_core import Core

@@ -6,22 +6,8 @@ count, dtype, world size), so all ranks pick the same one without talking.
 
 from __future__ import annotations
 
-from .barrier import Barrier
-from .base import (
-    SEGMENT_BYTES,
-    Array,
-    Collective,
-    Combining,
-    ProtocolError,
-    RunsDirectly,
-    Send,
-    Swap,
-    segments,
-    split,
-)
-from .doubling import DirectAllreduce, RecursiveDoubling
-from .exchange import Exchange
-from .reduction import (
+from ..kernels.fold import Combining, Swap
+from ..kernels.reduction import (
     DTYPE_BY_CODE,
     DTYPES,
     REDUCIBLE,
@@ -32,6 +18,19 @@ from .reduction import (
     finalize,
     reduction_refused,
 )
+from .barrier import Barrier
+from .base import (
+    SEGMENT_BYTES,
+    Array,
+    Collective,
+    ProtocolError,
+    RunsDirectly,
+    Send,
+    segments,
+    split,
+)
+from .doubling import DirectAllreduce, RecursiveDoubling
+from .exchange import Exchange
 from .ring import Ring
 from .shared import PeerMemory, SharedAllreduce, WindowMemory
 from .translated import RenumberedMemory, Translated

@@ -16,7 +16,8 @@ import functools
 
 import numpy as np
 
-from .base import Array, Collective, Combining, ProtocolError, Send, Swap
+from ..kernels.fold import Combining, Swap
+from .base import Array, Collective, ProtocolError, Send
 
 __all__ = ["Barrier"]
 

@@ -29,8 +29,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Send", "Collective", "Combining", "ProtocolError", "RunsDirectly", "Swap",
-           "split", "segments", "SEGMENT_BYTES"]  # fmt: skip
+from ..kernels.fold import Combining, Swap
+
+__all__ = ["Send", "Collective", "ProtocolError", "RunsDirectly", "split", "segments",
+           "SEGMENT_BYTES"]  # fmt: skip
 
 #: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
 #: reducing overlap, large enough that per-message overhead stays small.
@@ -176,25 +178,6 @@ class RunsDirectly(Protocol):
         """The algorithm an operation that the caller does not run to the end hands the
         engine: itself, or, for a stand-in that holds only what a direct run's swaps need
         (``DirectAllreduce``), the real one, made then."""
-
-
-class Combining(NamedTuple):
-    """How a message is combined into an algorithm's buffer (``reduction.combine``): into
-    ``into``'s bytes, elements of dtype code ``dtype``, by reduction code ``op``."""
-
-    into: memoryview
-    dtype: int
-    op: int
-
-
-class Swap(NamedTuple):
-    """One step of ``RunsDirectly.swaps``: the buffer goes to ``peer`` as message ``step``,
-    the peer's comes back as the same, and is combined into it, the peer's operand first
-    where ``incoming_first`` (the lower rank's first, on both)."""
-
-    peer: int
-    step: int
-    incoming_first: bool
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .base import Array, Collective, Combining, ProtocolError, Send, Swap
-from .reduction import REDUCTION_CODES, DType, combine, finalize, quiet_numpy
+from ..kernels.fold import Combining, Swap
+from ..kernels.reduction import REDUCTION_CODES, DType, combine, finalize, quiet_numpy
+from .base import Array, Collective, ProtocolError, Send
 
 __all__ = ["DirectAllreduce", "RecursiveDoubling"]
 

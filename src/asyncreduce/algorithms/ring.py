@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.reduction import DType, combine, finalize
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
-from .reduction import DType, combine, finalize
 
 __all__ = ["Ring"]
 

@@ -45,8 +45,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..kernels.reduction import DType, combine, finalize
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
-from .reduction import DType, combine, finalize
 
 __all__ = ["PeerBuffer", "PeerMemory", "SharedAllreduce", "WindowMemory"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from ..cma import CrossMemory
 from ..engine import Engine
-from ..ordered.backend import OrderedBackend
-from ..ordered.engine import OrderedEngine
 from ..planes import SharedPlanes
 from .base import Backend
 from .native import LocalBackend, NativeBackend
+from .ordered.backend import OrderedBackend
+from .ordered.engine import OrderedEngine
 
 __all__ = ["Backend", "backend_for"]
 

@@ -46,10 +46,10 @@ from ..plans import Plan
 from ..protocol.operation import Operation
 from ..request import CallbackRunner, Request
 from ..transport.frame import Descriptor
-from .base import EngineBackend, log_post
+from .common import EngineBackend, log_post
 
 if TYPE_CHECKING:
-    from ..ordered.engine import OrderedEngine
+    from .ordered.engine import OrderedEngine
 
 __all__ = ["DirectCalls", "LocalBackend", "NativeBackend"]
 

@@ -6,7 +6,7 @@ group's rank and size and the global ranks in it, and returns an ``AsyncReducePr
 (a pure-Python ``torch.distributed.ProcessGroup``):
 
 * the first group of a process connects a communicator through torch's store (no second store
-  is served; see bootstrap.connect); every later group is a ``Communicator.group`` of it, so
+  is served; see bootstrap/native.py); every later group is a ``Communicator.group`` of it, so
   every group shares the process's connections: one per pair of ranks, however many groups;
 * each group posts its operations on a group of its own, unnamed, so they are matched by
   order as torch's API requires, and never mix with the communicator's own unnamed operations;
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import bootstrap
+from ..bootstrap.native import connect
 from ..c10d_store import C10dStore
 from ..comm import Communicator
 from ..errors import UsageError
@@ -393,7 +393,7 @@ def _connect(store: Any, rank: int, size: int, timeout: float) -> Communicator:
     deadline = time.monotonic() + timeout
     shared = C10dStore(store, timeout, _store_host(store))
     generation = (shared.add("asyncreduce/connects", 1) - 1) // size
-    return bootstrap.connect(PrefixStore(f"asyncreduce/{generation}/", shared), place,
+    return connect(PrefixStore(f"asyncreduce/{generation}/", shared), place,
                              deadline, Settings.from_env(), serving=False)  # fmt: skip
 
 

@@ -21,16 +21,33 @@ As with DDP's Join, each iteration is one forward and at most one synced backwar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
+from torch import nn
 
-from .replicas import broadcast_tensors
+from ..comm import Communicator
+from .replicas import BufferSync, broadcast_tensors
 
-if TYPE_CHECKING:
-    from .data_parallel import DataParallel
+__all__ = ["Joining", "Joiner"]
 
-__all__ = ["Joining"]
+
+class Joiner(Protocol):
+    """All the join state uses of the wrapper it belongs to (DataParallel is one): a protocol,
+    so this module never imports the wrapper that holds it."""
+
+    module: nn.Module
+    _comm: Communicator
+    _prefix: str  # the wrapper's operation names start with it
+    _buffer_sync: BufferSync
+
+    def synchronize(self) -> None:
+        """Apply every pending update."""
+        ...
+
+    def _shadow_backward(self) -> None:
+        """Take part in a synced backward pass with zero gradients (this rank's data ended)."""
+        ...
 
 _TRAINING, _BUFFERS, _SYNCED = 1, 2, 4
 
@@ -38,7 +55,7 @@ _TRAINING, _BUFFERS, _SYNCED = 1, 2, 4
 class Joining:
     """The join state of one wrapper (see the module docstring)."""
 
-    def __init__(self, wrapper: DataParallel) -> None:
+    def __init__(self, wrapper: Joiner) -> None:
         self._wrapper = wrapper
         self.active = False
         self._last: list[int] = []  # the ranks still training in the last round with any

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from .frame import Header, with_step
 
 if TYPE_CHECKING:
-    from ..algorithms.base import Combining, Swap
+    from ..kernels.fold import Combining, Swap
 
 __all__ = ["COMBINED", "ELSEWHERE", "FrameSink", "Transport"]
 

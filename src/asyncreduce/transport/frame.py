@@ -28,6 +28,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
+from ..kernels.reduction import DTYPE_BY_CODE, REDUCTION_CODES
+
 __all__ = [
     "DATA",
     "ERROR",
@@ -72,8 +74,8 @@ MAX_PAYLOAD_BYTES: Final = 1 << 30
 MAX_ERROR_BYTES: Final = 64 << 10
 MAX_STEP: Final = 1 << 20
 _KIND_CODES: Final = range(1, 11)  # algorithms.KINDS
-_DTYPE_CODES: Final = range(1, 13)  # algorithms.DTYPES
-_REDUCE_CODES: Final = range(0, 9)  # 0: none, else algorithms.REDUCTION_CODES
+_DTYPE_CODES: Final = frozenset(DTYPE_BY_CODE)
+_REDUCE_CODES: Final = frozenset({0, *REDUCTION_CODES.values()})  # 0: none
 
 
 class FrameError(Exception):

@@ -50,7 +50,7 @@ from .listener import WakeUp
 from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 if TYPE_CHECKING:
-    from ..algorithms.base import Combining, Swap
+    from ..kernels.fold import Combining, Swap
 
 try:
     from .._stream_core import COMBINED as COMBINED_HERE

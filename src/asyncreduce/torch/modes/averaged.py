@@ -13,12 +13,9 @@ counts as exposed communication (the baseline the other modes are measured again
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .base import Mode
-
-if TYPE_CHECKING:
-    from ..data_parallel import DataParallel
+from .base import Mode, Replica
 
 __all__ = ["Backward", "Blocking"]
 
@@ -29,7 +26,7 @@ class Backward(Mode):
     name = "backward"
     averaged_in_backward = True
 
-    def end_pass(self, dp: DataParallel) -> None:
+    def end_pass(self, dp: Replica) -> None:
         super().end_pass(dp)
         for bucket in dp._buckets:
             update, bucket.inflight = bucket.inflight, None
@@ -38,7 +35,7 @@ class Backward(Mode):
                 for p, g in zip(bucket.params, grads, strict=True):
                     p.grad = g
 
-    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
         return dp.optimizer.step_inner(closure)
 
 
@@ -48,6 +45,6 @@ class Blocking(Backward):
     name = "blocking"
     posts_early = False
 
-    def end_pass(self, dp: DataParallel) -> None:
+    def end_pass(self, dp: Replica) -> None:
         with dp._stats.exposed():
             super().end_pass(dp)

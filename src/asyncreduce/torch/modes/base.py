@@ -19,19 +19,42 @@ update of an earlier step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from ...errors import UsageError
 from ..buckets import Bucket, Group, Update, size_groups
-from ..optimizer import Hyper
+from ..optimizer import DataParallelOptimizer, Hyper
+from ..stats import CommStats
 
-if TYPE_CHECKING:
-    from ..data_parallel import DataParallel
+__all__ = ["Mode", "Replica", "make_pending", "refuse_changed_gradients"]
 
-__all__ = ["Mode", "make_pending", "refuse_changed_gradients"]
+
+class Replica(Protocol):
+    """All a mode may use of the wrapper it serves (DataParallel is one): a protocol, so the
+    modes never import the wrapper that picks them."""
+
+    module: nn.Module
+    optimizer: DataParallelOptimizer
+    mode: str
+    _buckets: list[Bucket]
+    _names: dict[int, str]  # id(parameter) -> its name
+    _hooks: list[Any]  # removed with the wrapper's
+    _stats: CommStats
+
+    def _gradients(self, bucket: Bucket, update: Update) -> list[torch.Tensor | None]:
+        """The averaged gradients of ``bucket``'s parameters, once ``update`` arrived."""
+        ...
+
+    def _clear_gradients(self) -> None:
+        """Set every parameter's gradient to None."""
+        ...
+
+    def _post_unsent(self) -> None:
+        """Send every bucket not sent in this backward pass."""
+        ...
 
 
 class Mode:
@@ -51,33 +74,33 @@ class Mode:
         """The allreduce priority of bucket ``index`` of ``count``: all the same."""
         return 0
 
-    def install_hooks(self, dp: DataParallel) -> list[Any]:
+    def install_hooks(self, dp: Replica) -> list[Any]:
         """Hooks of the mode's own, removed with the wrapper's: none."""
         return []
 
-    def watch_forward(self, dp: DataParallel) -> Callable[[], None] | None:
+    def watch_forward(self, dp: Replica) -> Callable[[], None] | None:
         """Called before a forward; what it returns is called after it: nothing."""
         return None
 
-    def used_while_pending(self, dp: DataParallel, param: torch.Tensor) -> None:
+    def used_while_pending(self, dp: Replica, param: torch.Tensor) -> None:
         """A gradient arrived for a bucket whose update of an earlier step is pending: fine."""
 
-    def before_post(self, dp: DataParallel, bucket: Bucket) -> None:
+    def before_post(self, dp: Replica, bucket: Bucket) -> None:
         """A bucket whose update of an earlier step is pending is about to be sent: nothing."""
 
-    def end_pass(self, dp: DataParallel) -> None:
+    def end_pass(self, dp: Replica) -> None:
         """The end of a synced backward pass: every bucket not sent in it is sent now."""
         dp._post_unsent()
 
-    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
         """``step()``'s work before the gradients are cleared; returns what ``step()`` does."""
         raise NotImplementedError
 
-    def synchronize(self, dp: DataParallel) -> None:
+    def synchronize(self, dp: Replica) -> None:
         """Apply every pending update: none is left pending."""
 
 
-def make_pending(dp: DataParallel, hyper: Hyper | None) -> list[Update | None]:
+def make_pending(dp: Replica, hyper: Hyper | None) -> list[Update | None]:
     """forward, double_buffer: ``step()`` closes the step, whose posts become the pending
     updates (with ``hyper``, the hyper-parameters to apply them with); returns the updates
     that were pending until now."""
@@ -89,7 +112,7 @@ def make_pending(dp: DataParallel, hyper: Hyper | None) -> list[Update | None]:
     return previous
 
 
-def refuse_changed_gradients(dp: DataParallel) -> None:
+def refuse_changed_gradients(dp: Replica) -> None:
     """forward, double_buffer, in ``step()``: a gradient changed since it was sent is an
     error, since the change would be lost."""
     for bucket in dp._buckets:

@@ -12,13 +12,10 @@ after backward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..buckets import Update
-from .base import Mode, make_pending, refuse_changed_gradients
-
-if TYPE_CHECKING:
-    from ..data_parallel import DataParallel
+from .base import Mode, Replica, make_pending, refuse_changed_gradients
 
 __all__ = ["DoubleBuffer"]
 
@@ -29,21 +26,21 @@ class DoubleBuffer(Mode):
     name = "double_buffer"
     copies = 2
 
-    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
         refuse_changed_gradients(dp)
         previous = make_pending(dp, None)
         dp._clear_gradients()
         _apply_all(dp, previous)  # the previous step's gradients: one step stale
         return None
 
-    def synchronize(self, dp: DataParallel) -> None:
+    def synchronize(self, dp: Replica) -> None:
         pending = [b.update for b in dp._buckets]
         for b in dp._buckets:
             b.update = None
         _apply_all(dp, pending)
 
 
-def _apply_all(dp: DataParallel, updates: list[Update | None]) -> None:
+def _apply_all(dp: Replica, updates: list[Update | None]) -> None:
     """One optimizer step over these updates (the gradients cleared before)."""
     if not any(u is not None for u in updates):
         return

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import UsageError
 from ..buckets import Bucket, Group, layer_groups
-from .base import Mode, make_pending, refuse_changed_gradients
-
-if TYPE_CHECKING:
-    from ..data_parallel import DataParallel
+from .base import Mode, Replica, make_pending, refuse_changed_gradients
 
 __all__ = ["Forward", "apply_update"]
 
@@ -51,7 +48,7 @@ class Forward(Mode):
     def priority(self, index: int, count: int) -> int:
         return count - index  # nearest the input first
 
-    def install_hooks(self, dp: DataParallel) -> list[Any]:
+    def install_hooks(self, dp: Replica) -> list[Any]:
         me = weakref.ref(dp)  # hooks must not keep the wrapper alive (close on collection)
         holders = _holders(dp.module)
         hooks = []
@@ -61,7 +58,7 @@ class Forward(Mode):
                 hooks.append(_hook_layer(module, _LayerHook(me, bucket)))
         return hooks
 
-    def watch_forward(self, dp: DataParallel) -> Callable[[], None] | None:
+    def watch_forward(self, dp: Replica) -> Callable[[], None] | None:
         """The first forward: note which modules run. A layer whose parameters are used by
         its parent without the layer itself running gets its update from the pre-hook of the
         nearest ancestor that ran instead."""
@@ -89,7 +86,7 @@ class Forward(Mode):
 
         return settle
 
-    def used_while_pending(self, dp: DataParallel, param: torch.Tensor) -> None:
+    def used_while_pending(self, dp: Replica, param: torch.Tensor) -> None:
         raise UsageError(
             f"{dp._names[id(param)]!r} was used in this forward while the update of its "
             "last step was still pending: mode='forward' applies a layer's update just "
@@ -98,10 +95,10 @@ class Forward(Mode):
             "or use mode='backward'"
         )
 
-    def before_post(self, dp: DataParallel, bucket: Bucket) -> None:
+    def before_post(self, dp: Replica, bucket: Bucket) -> None:
         apply_update(dp, bucket)  # its layer did not run since its last step
 
-    def step(self, dp: DataParallel, closure: Callable[[], float] | None) -> Any:
+    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
         """This step's gradients become the pending updates, with the hyper-parameters in
         force now (the previous ones were all applied before their buckets were sent again)."""
         refuse_changed_gradients(dp)
@@ -109,12 +106,12 @@ class Forward(Mode):
         assert not any(previous), "forward mode left an update unapplied"
         return None
 
-    def synchronize(self, dp: DataParallel) -> None:
+    def synchronize(self, dp: Replica) -> None:
         for bucket in dp._buckets:
             apply_update(dp, bucket)
 
 
-def apply_update(dp: DataParallel, bucket: Bucket) -> None:
+def apply_update(dp: Replica, bucket: Bucket) -> None:
     """The bucket's pending update, stepped by itself with its recorded hyper-parameters;
     ``p.grad`` is left as it was."""
     update, bucket.update = bucket.update, None
@@ -134,7 +131,7 @@ def apply_update(dp: DataParallel, bucket: Bucket) -> None:
 class _LayerHook:
     """The pre-hook of one layer: its pending update, just before it runs."""
 
-    def __init__(self, wrapper: weakref.ref[DataParallel], bucket: Bucket) -> None:
+    def __init__(self, wrapper: weakref.ref[Replica], bucket: Bucket) -> None:
         self._wrapper = wrapper
         self._bucket = bucket
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import EngineBackend, log_post
-from ..errors import UsageError
-from ..keys import Key
-from ..planes import DataPlane, SharedPlanes
-from ..plans import Plan
-from ..protocol.wire import ON_DEVICE
-from ..request import Request
+from ...errors import UsageError
+from ...keys import Key
+from ...planes import DataPlane, SharedPlanes
+from ...plans import Plan
+from ...protocol.wire import ON_DEVICE
+from ...request import Request
+from ..common import EngineBackend, log_post
 from .engine import OrderedEngine
 from .posted import Posted
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..algorithms import DType
-from ..errors import UsageError
+from ...algorithms import DType
+from ...errors import UsageError
 from .channel import Endpoint
 from .native import NativeEndpoint
 from .posted import Posted, Running

@@ -18,8 +18,8 @@ import itertools
 import logging
 from collections.abc import Callable, Collection
 
-from ..errors import ranks_phrase
-from ..keys import Key
+from ...errors import ranks_phrase
+from ...keys import Key
 from .posted import Posted
 
 __all__ = ["Liveness"]

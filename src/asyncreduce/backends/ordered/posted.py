@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..algorithms import DType
-from ..flight import Record
-from ..keys import Key
-from ..request import Request
-from ..transport.frame import Descriptor
+from ...algorithms import DType
+from ...flight import Record
+from ...keys import Key
+from ...request import Request
+from ...transport.frame import Descriptor
 from .channel import Endpoint
 
 __all__ = ["Adapter", "Posted", "Running"]

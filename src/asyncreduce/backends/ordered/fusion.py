@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..algorithms.reduction import finalize
-from ..buffers import elements
-from ..envvars import env_number
-from ..flight import FlightRecorder
+from ...buffers import elements
+from ...envvars import env_number
+from ...flight import FlightRecorder
+from ...kernels.reduction import finalize
 from .posted import Posted, Running
 
 __all__ = ["FUSION_BYTES", "Call", "complete", "fuse", "fusion_bytes_from_env", "pack"]

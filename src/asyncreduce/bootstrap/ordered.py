@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.ordered.engine import OrderedEngine
+from ..backends.ordered.native import NativeEndpoint
 from ..comm import Communicator
 from ..errors import UsageError
 from ..protocol.operation import Settings
-from .engine import OrderedEngine
-from .native import NativeEndpoint
+from .meet import remaining
+from .native import join
 
 __all__ = ["connect_mpi", "connect_torch"]
 
@@ -25,7 +27,7 @@ log = logging.getLogger("asyncreduce.comm")
 def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
     """A communicator over ``comm`` (an mpi4py communicator; COMM_WORLD by default).
     TimeoutError when a rank has not called it within ``timeout`` seconds."""
-    from .mpi import MpiAdapter, check_thread_level, meet, prefer_ring
+    from ..backends.ordered.mpi import MpiAdapter, check_thread_level, meet, prefer_ring
 
     prefer_ring()
     check_thread_level()
@@ -47,11 +49,11 @@ def connect_mpi(comm: Any = None, timeout: float = 30.0) -> Communicator:
         world = list(
             comm.Get_group().Translate_ranks(list(range(size)), MPI.COMM_WORLD.Get_group())
         )
-        endpoint = NativeEndpoint(_native(_left(deadline)), world.__getitem__)
+        endpoint = NativeEndpoint(_native(remaining(deadline)), world.__getitem__)
     one_host = local[1] == size
     engine = OrderedEngine(rank, size, lambda: MpiAdapter(comms, endpoint, one_host, threads),
                            Settings.from_env())  # fmt: skip
-    return _started(Communicator(rank, size, engine, local=local), "mpi", _left(deadline))
+    return _started(Communicator(rank, size, engine, local=local), "mpi", remaining(deadline))
 
 
 def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
@@ -60,7 +62,7 @@ def connect_torch(group: Any = None, timeout: float = 30.0) -> Communicator:
     made beside it, for the control messages (every rank of the job must call this)."""
     import torch.distributed as dist
 
-    from .torchdist import TorchAdapter, destroy_groups
+    from ..backends.ordered.torchdist import TorchAdapter, destroy_groups
 
     if dist.is_available() and not dist.is_initialized() and _launched():
         import torch
@@ -100,9 +102,7 @@ def _launched() -> bool:
 
 def _native(timeout: float) -> Communicator:
     """A native communicator of the whole job, for the control channel."""
-    from ..bootstrap import init
-
-    return init(timeout=timeout, backend="native")
+    return join(None, None, None, None, None, timeout)
 
 
 def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
@@ -128,7 +128,3 @@ def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
              plane.engine, plane.control, engine.fusion_bytes)  # fmt: skip
     return comm
 
-
-def _left(deadline: float) -> float:
-    """Seconds left until ``deadline`` (monotonic), never quite zero: a timeout to pass on."""
-    return max(deadline - time.monotonic(), 1e-3)

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BrokenError, ClosedError, MismatchError, ranks_phrase
-from ..flight import FlightRecorder, Record
-from ..keys import Key
-from ..protocol import Settings, broken_by, describe
+from ...errors import BrokenError, ClosedError, MismatchError, ranks_phrase
+from ...flight import FlightRecorder, Record
+from ...keys import Key
+from ...protocol import Settings, broken_by, describe
 from .agreement import Agreed, Agreement, Entry
 from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel
 from .failure import break_error, break_message, read_break, run_on_scratch

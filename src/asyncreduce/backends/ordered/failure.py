@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BrokenError
-from ..keys import Key
-from ..protocol.wire import BROKE, ERROR_CLASSES, ERROR_CODES
+from ...errors import BrokenError
+from ...keys import Key
+from ...protocol.wire import BROKE, ERROR_CLASSES, ERROR_CODES
 from .posted import Posted
 
 __all__ = ["break_error", "break_message", "read_break", "run_on_scratch"]

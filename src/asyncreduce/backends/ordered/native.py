@@ -10,15 +10,24 @@ in the torch job's store; over ``backend="mpi"`` it may, for comparison (ASYNCRE
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..comm import Communicator
-
-__all__ = ["NativeEndpoint"]
+__all__ = ["NativeEndpoint", "PointToPoint"]
 
 _TAG = 1 << 40  # far from any tag a user of the same native communicator would pick
+
+
+class PointToPoint(Protocol):
+    """What the endpoint needs of a native communicator (``Communicator`` is one): its tagged
+    point-to-point operations, and a close. A protocol, so this level never imports comm."""
+
+    def isend(self, x: Any, dst: int, *, tag: int = 0) -> Any: ...
+
+    def irecv(self, x: Any, src: int, *, tag: int = 0) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class NativeEndpoint:
@@ -27,7 +36,7 @@ class NativeEndpoint:
     slot = 512
     exact = True
 
-    def __init__(self, native: Communicator, to_native: Callable[[int], int]) -> None:
+    def __init__(self, native: PointToPoint, to_native: Callable[[int], int]) -> None:
         self.native = native
         self.to_native = to_native  # a rank of the ordered communicator -> the native one
 

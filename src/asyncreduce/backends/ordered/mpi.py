@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from ..algorithms import DType
-from ..algorithms.reduction import combine
-from ..errors import MismatchError, UsageError
+from ...algorithms import DType
+from ...errors import MismatchError, UsageError
+from ...kernels.reduction import combine
 from .channel import Endpoint
 from .posted import Posted, Running
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..transport.frame import MAX_NAME_BYTES, Descriptor
+from ...transport.frame import MAX_NAME_BYTES, Descriptor
 
 __all__ = ["Agreement", "Agreed", "Entry", "AgreementError", "encode", "decode"]
 

@@ -201,8 +201,8 @@ def lane_us(nbytes: int, world: int = 2, native: bool = True) -> float:
     mailbox where it was built (else, and with False, the Python one)."""
     from asyncreduce.backends.native import NativeBackend
     from asyncreduce.comm import Communicator
-    from asyncreduce.mailbox import native_wanted, open_mailbox, region_bytes
-    from asyncreduce.planes import SharedPlanes
+    from asyncreduce.samehost.mailbox import native_wanted, open_mailbox, region_bytes
+    from asyncreduce.samehost.planes import SharedPlanes
 
     regions = [np.zeros(region_bytes(), np.uint8) for _ in range(world)]
     comms = []

@@ -32,7 +32,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from asyncreduce import cma
 from asyncreduce.algorithms import (
     DTYPES,
     REDUCTIONS,
@@ -59,8 +58,9 @@ from asyncreduce.algorithms import (
     split,
 )
 from asyncreduce.bootstrap.samehost import _unreadable
-from asyncreduce.cma import CrossMemory
 from asyncreduce.kernels import reduction
+from asyncreduce.samehost import cma
+from asyncreduce.samehost.cma import CrossMemory
 from network import Network, quiet_floats  # the fake wire
 
 DTYPE_NAMES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16", "int8",

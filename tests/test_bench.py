@@ -18,7 +18,7 @@ import pytest
 
 from asyncreduce import bench
 from asyncreduce.algorithms import SMALL_ALLREDUCE_BYTES
-from asyncreduce.mailbox import supported
+from asyncreduce.samehost.mailbox import supported
 
 SIZES = (4 << 10, 256 << 10)
 

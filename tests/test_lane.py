@@ -33,8 +33,16 @@ from asyncreduce.algorithms import KINDS, REDUCTION_CODES
 from asyncreduce.buffers import as_buffer
 from asyncreduce.kernels.reduction import DTYPES, fold
 from asyncreduce.lane import Lane, LaneOp
-from asyncreduce.mailbox import HERE, SLOTS, Core, Mailbox, NativeMailbox, header, region_bytes
 from asyncreduce.request import CallbackRunner, Request
+from asyncreduce.samehost.mailbox import (
+    HERE,
+    SLOTS,
+    Core,
+    Mailbox,
+    NativeMailbox,
+    header,
+    region_bytes,
+)
 from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
 

@@ -20,7 +20,7 @@ import pytest
 
 from asyncreduce.algorithms import KINDS, REDUCTION_CODES
 from asyncreduce.kernels.reduction import DTYPES, reduction_refused
-from asyncreduce.mailbox import (
+from asyncreduce.samehost.mailbox import (
     AGREED,
     DIFFERENT,
     HERE,

@@ -23,7 +23,7 @@ _CTX = mp.get_context("spawn")
 
 
 def _memfds(pid: int) -> list[str]:
-    """The anonymous shared-memory files ``pid`` holds open (see transport/shm.py)."""
+    """The anonymous shared-memory files ``pid`` holds open (see samehost/shm.py)."""
     found = []
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -25,6 +25,7 @@ from asyncreduce.algorithms import (
     Swap,
     combine,
 )
+from asyncreduce.samehost.shm import create_arena, open_arena
 from asyncreduce.transport.base import COMBINED, ELSEWHERE
 from asyncreduce.transport.frame import (
     DATA,
@@ -38,7 +39,6 @@ from asyncreduce.transport.frame import (
     parse_header,
     with_step,
 )
-from asyncreduce.transport.shm import create_arena, open_arena
 from asyncreduce.transport.tcp import TcpTransport, native_take
 
 try:

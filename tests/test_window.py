@@ -135,7 +135,7 @@ def test_a_world_of_one_gets_an_ordinary_array_and_bad_arguments_a_usage_error()
 
 def test_ranks_that_disagree_about_the_window_number_are_refused() -> None:
     """Records carry each rank's window number; a rank that made another one is named."""
-    from asyncreduce.window import WindowError, Windows, _record
+    from asyncreduce.samehost.window import WindowError, Windows, _record
 
     records = np.stack([_record("/dev/shm/asyncreduce-1-x", 8, 1), _record("/x", 8, 2)])
     with pytest.raises(WindowError, match="rank 1 made window 2 where rank 0 made window 1"):

@@ -37,16 +37,16 @@ from .backends.native import DirectCalls, NativeBackend
 from .backends.ordered.engine import OrderedEngine
 from .blocking import BlockingCalls
 from .buffers import Buffer, as_buffer, device_buffer
-from .cma import CrossMemory
 from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key, Keys, p2p_name
 from .lane import lane_wanted
-from .mailbox import native_wanted, open_mailbox, region_bytes
-from .planes import DataPlane
 from .plans import Plan
 from .request import CallbackRunner, Request
-from .window import WindowError, array_layout
+from .samehost.cma import CrossMemory
+from .samehost.mailbox import native_wanted, open_mailbox, region_bytes
+from .samehost.planes import DataPlane
+from .samehost.window import WindowError, array_layout
 
 __all__ = ["Communicator"]
 

@@ -51,7 +51,11 @@ from .buffers import Buffer
 from .envvars import env_number
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key
-from .mailbox import (
+from .protocol.failure import broken_by, same_error, silent_for, timed_out
+from .protocol.operation import Settings
+from .protocol.session import Session
+from .request import Request
+from .samehost.mailbox import (
     AGREED,
     ELSEWHERE,
     HERE,
@@ -62,10 +66,6 @@ from .mailbox import (
     header,
     supported,
 )
-from .protocol.failure import broken_by, same_error, silent_for, timed_out
-from .protocol.operation import Settings
-from .protocol.session import Session
-from .request import Request
 from .transport.frame import Descriptor
 
 __all__ = ["Lane", "LaneOp", "lane_wanted"]

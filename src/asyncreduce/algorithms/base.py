@@ -31,8 +31,8 @@ from numpy.typing import NDArray
 
 from ..kernels.fold import Combining, Swap
 
-__all__ = ["Send", "Collective", "ProtocolError", "RunsDirectly", "split", "segments",
-           "SEGMENT_BYTES"]  # fmt: skip
+__all__ = ["Send", "Collective", "PeerMemoryError", "ProtocolError", "RunsDirectly", "split",
+           "segments", "SEGMENT_BYTES"]  # fmt: skip
 
 #: Bytes per message of the pipelined algorithms: small enough that sending, receiving and
 #: reducing overlap, large enough that per-message overhead stays small.
@@ -43,6 +43,11 @@ Array = NDArray[np.generic]
 
 class ProtocolError(Exception):
     """A message the algorithm did not expect: the ranks disagree about the operation."""
+
+
+class PeerMemoryError(OSError):
+    """A peer's buffer could not be read in place (it died, or announced memory it does not
+    have): raised by a ``PeerMemory`` (samehost/cma.py), caught by the Session."""
 
 
 class Send(NamedTuple):

@@ -4,7 +4,7 @@ Theory of operation. When every rank of the job is on one host, each rank can re
 other rank's buffer directly, so no payload needs to travel: only tiny messages (two per
 pair, and one per segment). How a peer's buffer is read is a ``PeerMemory``: in place, when
 the buffers lie in shared windows (``Communicator.shared_empty``, ``WindowMemory``), or with
-one kernel copy per piece from the peer process (``asyncreduce.cma.CrossMemory``) for
+one kernel copy per piece from the peer process (``asyncreduce.samehost.cma.CrossMemory``) for
 ordinary buffers. The buffer is cut into n chunks; rank r owns chunk r.
 
 * step 0, READY (8 bytes: where the buffer is, for the peers' ``PeerMemory``: its offset in

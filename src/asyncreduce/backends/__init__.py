@@ -7,9 +7,9 @@ the one for the engine a communicator is built over.
 
 from __future__ import annotations
 
-from ..cma import CrossMemory
 from ..engine import Engine
-from ..planes import SharedPlanes
+from ..samehost.cma import CrossMemory
+from ..samehost.planes import SharedPlanes
 from .base import Backend
 from .native import LocalBackend, NativeBackend
 from .ordered.backend import OrderedBackend

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..keys import Key
-from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
 from ..request import Request
+from ..samehost.planes import DataPlane, SharedPlanes
 
 if TYPE_CHECKING:
     from ..engine import Engine

@@ -2,12 +2,12 @@
 
 Theory of operation. An operation becomes an algorithm built for the communicator's own
 numbering (``build``: doubling, ring, tree, ...; a direct exchange comes built), over the
-caller's memory. A large allreduce on one host reads the peers' memory in place instead, from
-a shared window or by cross-memory attach (planes.py); the descriptor's ``root`` says which,
-so every rank runs the same one. A group's algorithm is wrapped (``Translated``) so the engine
-sees the ranks it knows. The ``Operation`` then goes to the engine's thread (engine.py), which
-matches it with the peers' by key and completes the request. In a world of one there is no
-engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread.
+caller's memory. A large allreduce on one host reads the peers' memory in place instead, from a
+shared window or by cross-memory attach (samehost/planes.py); the descriptor's ``root`` says
+which, so every rank runs the same one. A group's algorithm is wrapped (``Translated``) so the
+engine sees the ranks it knows. The ``Operation`` then goes to the engine's thread (engine.py),
+which matches it with the peers' by key and completes the request. In a world of one there is
+no engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from ..engine import Engine
 from ..errors import BrokenError, ClosedError, UsageError
 from ..keys import Key
 from ..lane import Lane, LaneOp
-from ..mailbox import HERE, Header, Mailbox, header
-from ..planes import DataPlane, SharedPlanes
 from ..plans import Plan
 from ..protocol.operation import Operation
 from ..request import CallbackRunner, Request
+from ..samehost.mailbox import HERE, Header, Mailbox, header
+from ..samehost.planes import DataPlane, SharedPlanes
 from ..transport.frame import Descriptor
 from .common import EngineBackend, log_post
 

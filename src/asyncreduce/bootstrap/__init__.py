@@ -11,7 +11,7 @@ its address sent through MPI), and ``connect`` does the rest over it:
 3. ranks on the same host (same boot and network namespace) map shared-memory arenas, and the
    ranks on a host count themselves (``local_rank``, ``local_world_size``, unless the launcher
    said);
-4. when every rank is on one host, cross-memory attach is probed (see cma.py);
+4. when every rank is on one host, cross-memory attach is probed (see samehost/cma.py);
 5. rank 0 keeps a store it serves open until every rank is done with it; the engine starts,
    the ranks agree on a shared clock origin, and one INFO line says what was chosen.
 

@@ -10,11 +10,11 @@ import struct
 
 import numpy as np
 
-from .. import cma
-from ..cma import CrossMemory
 from ..launchers import Place
 from ..rendezvous import Store
-from ..transport.shm import Arena, Segment, create_arena, host_identity, open_arena
+from ..samehost import cma
+from ..samehost.cma import CrossMemory
+from ..samehost.shm import Arena, Segment, create_arena, host_identity, open_arena
 from .meet import gather, remaining
 
 __all__ = ["cross_memory", "identity", "local_place", "share_memory"]
@@ -44,7 +44,7 @@ def share_memory(
     """Shared-memory arenas with every rank on this host: {peer: (arena we write, arena we read)},
     and for every other peer why it is TCP only.
 
-    Arenas are anonymous segments (transport/shm.py), never named in /dev/shm, so nothing is
+    Arenas are anonymous segments (samehost/shm.py), never named in /dev/shm, so nothing is
     left behind however the job ends (a rank killed while it waits here included); each rank
     closes its descriptors once every rank has mapped its arenas. ASYNCREDUCE_SHM=0 on either
     side of a pair keeps it on TCP.
@@ -89,7 +89,7 @@ def cross_memory(
     store: Store, rank: int, world_size: int, deadline: float
 ) -> tuple[CrossMemory | None, str]:
     """Cross-memory attach with every peer (all on this host), if every rank can read every
-    other's memory (see cma.py): each rank sends each other a random challenge through the
+    other's memory (see samehost/cma.py): each rank sends each other a random challenge through the
     store, keeps those it was sent in its own memory and says where, and reads its own back
     from every peer's pid. ASYNCREDUCE_CMA=0 on any rank turns it off for all; a rank that
     could not read logs why, once. Returns the reader (None: off) and why it is off."""

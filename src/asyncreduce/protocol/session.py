@@ -26,8 +26,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, ProtocolError, Send
-from ..cma import PeerMemoryError
+from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, PeerMemoryError, ProtocolError, Send
 from ..errors import BrokenError, MismatchError
 from ..flight import FlightRecorder, Record
 from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header
@@ -437,7 +436,7 @@ class Session:
         except ProtocolError as exc:
             self._fail_everywhere(op, MismatchError(f"{op.label}: rank {self.rank}: {exc}"))
             return False
-        except PeerMemoryError as exc:  # cma.py: the peer died, or announced bad memory
+        except PeerMemoryError as exc:  # samehost/cma.py: the peer died, or announced bad memory
             self._fail_everywhere(op, BrokenError(f"{op.label}: rank {self.rank}: {exc}"))
             return False
         except Exception as exc:

@@ -14,8 +14,8 @@ import socket
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..samehost.shm import Arena
 from .frame import HEADER, MAX_NAME_BYTES, FrameReader
-from .shm import Arena
 
 __all__ = ["Connection", "Outgoing", "receive_buffer"]
 

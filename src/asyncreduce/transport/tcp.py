@@ -31,6 +31,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from ..envvars import native_allowed
+from ..samehost.shm import SHM_MIN_BYTES, Arena, copy_bytes
 from .base import COMBINED, ELSEWHERE, FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
@@ -47,7 +48,6 @@ from .frame import (
     with_step,
 )
 from .listener import WakeUp
-from .shm import SHM_MIN_BYTES, Arena, copy_bytes
 
 if TYPE_CHECKING:
     from ..kernels.fold import Combining, Swap

@@ -19,10 +19,10 @@ import numpy as np
 
 from ...errors import UsageError
 from ...keys import Key
-from ...planes import DataPlane, SharedPlanes
 from ...plans import Plan
 from ...protocol.wire import ON_DEVICE
 from ...request import Request
+from ...samehost.planes import DataPlane, SharedPlanes
 from ..common import EngineBackend, log_post
 from .engine import OrderedEngine
 from .posted import Posted

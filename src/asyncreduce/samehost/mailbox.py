@@ -40,12 +40,12 @@ from typing import TypeAlias
 
 import numpy as np
 
-from .algorithms import SMALL_ALLREDUCE_BYTES, Array
-from .envvars import native_allowed
-from .kernels.reduction import DType, fold_quietly
+from ..algorithms import SMALL_ALLREDUCE_BYTES, Array
+from ..envvars import native_allowed
+from ..kernels.reduction import DType, fold_quietly
 
 try:
-    from ._mailbox_core import Core
+    from .._mailbox_core import Core
 except ImportError:  # not built (no C compiler at set-up): the Python mailbox alone
     Core = None  # type: ignore[assignment,misc]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .algorithms import (
+from ..algorithms import (
     CROSS_MEMORY,
     CROSS_MEMORY_BYTES,
     SMALL_ALLREDUCE_BYTES,

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import Array, ProtocolError
-from .kernels.reduction import DTYPES
+from ..algorithms import Array, PeerMemoryError, ProtocolError
+from ..kernels.reduction import DTYPES
 
 _WIDEST = max(d.itemsize for d in DTYPES.values())  # complex128: one element of any dtype
 
@@ -46,10 +46,6 @@ PIECE_BYTES = 256 << 10  # what a reduction reads at a time: stays in the cache 
 
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
-class PeerMemoryError(OSError):
-    """A peer's buffer could not be read (it died, or announced memory it does not have)."""
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """Shared windows: arrays every rank on this host can read, so their allreduce moves no payload.
 
 Theory of operation. ``Communicator.shared_empty`` is collective. Every rank creates a private
-anonymous shared-memory segment (mode 0600, like the arenas: transport/shm.py) and maps it;
+anonymous shared-memory segment (mode 0600, like the arenas: samehost/shm.py) and maps it;
 the ranks allgather each segment's name and size, map each other's, pass a barrier and close
 their own descriptor. Nothing is named in /dev/shm, so nothing is left behind however the job
 ends, even a rank killed while it waits here for the others. The caller gets a numpy array on
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import Array, WindowMemory
-from .errors import UsageError
-from .transport.shm import create_segment, open_segment
+from ..algorithms import Array, WindowMemory
+from ..errors import UsageError
+from .shm import create_segment, open_segment
 
 __all__ = ["Window", "WindowError", "Windows", "array_layout"]
 

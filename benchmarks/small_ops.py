@@ -9,8 +9,8 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
   engine written in Python on TCP can be faster than the first.
 * **lane alone**: the same-host lane's whole calls, in one thread: two communicators over
   mailboxes in plain memory take turns (one posts with ``iallreduce`` and waits, the other
-  makes the blocking ``allreduce``, which runs on its thread: ``Lane.run``), so nothing waits
-  for another core: what our Python costs per rank per operation on that path; with the C
+  makes the blocking ``allreduce``, which runs on its thread: ``Lane.run_waiting``), so nothing
+  waits for another core: what our Python costs per rank per operation on that path; with the C
   mailbox (where it was built) and with the Python one.
 * **protocol**: our protocol alone, in one thread: two ``Session`` objects post the allreduce,
   hand each other their frames (packed and parsed headers) and complete it. No socket, no
@@ -22,7 +22,7 @@ few. This benchmark takes one apart, on one host over TCP, each part measured on
   CPU each rank's process used per operation (all its threads), through the same-host lane
   (the default: shared-memory mailboxes, no frame), through the engine with the progress
   thread's busy-poll (``ASYNCREDUCE_LANE=0``: a blocking one runs on its caller's thread,
-  its frames straight through the sockets, around the protocol's events: ``Engine.run``),
+  its frames straight through the sockets, around the protocol's events: ``Engine.run_direct``),
   and through the engine without it (``ASYNCREDUCE_SPIN_US=0``, which turns the lane off
   too: every operation goes through the protocol and the progress thread).
 
@@ -196,7 +196,7 @@ def lane_us(nbytes: int, world: int = 2, native: bool = True) -> float:
     """CPU microseconds per rank per allreduce through the same-host lane, the whole calls,
     in one thread: ``world`` communicators over mailboxes in plain memory take turns (every
     rank but 0 posts with ``iallreduce``, rank 0's blocking ``allreduce`` completes on its
-    thread, which ``Lane.run`` does where the peers are there, the others wait), so
+    thread, which ``Lane.run_waiting`` does where the peers are there, the others wait), so
     no core waits for another and nothing but our Python is timed. ``native``: with the C
     mailbox where it was built (else, and with False, the Python one)."""
     from asyncreduce.backends.native import NativeBackend

@@ -1192,7 +1192,7 @@ def _run_directly(
     streams: dict[tuple[int, int], list[tuple[int, np.ndarray]]] | None = None,
     started: bool = False,
 ) -> tuple[list[set[int]], list[set[int]]]:
-    """Every rank's algorithm run as ``Engine.run`` runs it: sends in order on FIFO streams,
+    """Every rank's algorithm run as ``Engine.run_direct`` runs it: sends in order on FIFO streams,
     each rank reading only the stream of the message it awaits, and only when that message
     is the stream's next (else it would hand the run to the engine). Returns the ranks each
     received from and sent to. ``started``: the algorithms went on from swaps, whose
@@ -1231,7 +1231,7 @@ def _run_directly(
 
 @pytest.mark.parametrize("n", range(2, 10))
 def test_direct_runs_read_only_the_awaited_streams_and_complete(n: int) -> None:
-    """The contract ``Engine.run`` relies on (``RunsDirectly``): each rank's next message is
+    """The contract ``Engine.run_direct`` relies on (``RunsDirectly``): each rank's next message is
     the next one on the awaited stream, every rank completes, ``sources`` are the ranks it
     reads and ``partners`` those and the ranks it sends to; a sum comes out exact."""
     f32 = DTYPES["float32"]

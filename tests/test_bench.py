@@ -152,8 +152,8 @@ def test_small_ops_benchmark_takes_an_allreduce_apart(tmp_path: Path) -> None:
     us = json.loads(out.read_text())["us"]
     assert 0 < us["floor_busy"] < us["n2_spin_latency"], us
     # the protocol alone costs less than an operation that goes through it: the progress
-    # thread's path (a blocking one over TCP with the spin runs around it, Engine.run, and may
-    # well cost less than the protocol's frames and events)
+    # thread's path (a blocking one over TCP with the spin runs around it, Engine.run_direct, and
+    # may well cost less than the protocol's frames and events)
     assert 0 < us["protocol_cpu"] < us["n2_sleep_cpu"], us
     assert 0 < us["call"] < us["n2_spin_latency"], us
     assert us["n2_sleep_latency"] > 0 and us["n2_sleep_cpu"] > 0, us

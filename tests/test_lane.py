@@ -92,7 +92,7 @@ def post(lane: Lane, op: LaneOp) -> None:
 
 
 class Adopted:
-    """``Lane.run``'s ``adopt``: hands over ``op`` (request and all), and counts the calls."""
+    """``Lane.run_waiting``'s ``adopt``: hands over ``op`` (request and all), and counts calls."""
 
     def __init__(self, op: LaneOp) -> None:
         self.op, self.calls = op, 0
@@ -103,9 +103,10 @@ class Adopted:
 
 
 def run_here(lane: Lane, op: LaneOp) -> tuple[Request[Any] | None, Adopted]:
-    """``Lane.run`` as the backend calls it for a blocking allreduce."""
+    """``Lane.run_waiting`` as the backend calls it for a blocking allreduce."""
     adopt = Adopted(op)
-    return lane.run(op.seq, op.header, op.buf.flat, op.buf.dtype, op.op, op.timeout, adopt), adopt
+    buf = op.buf
+    return lane.run_waiting(op.seq, op.header, buf.flat, buf.dtype, op.op, op.timeout, adopt), adopt
 
 
 def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
@@ -327,7 +328,7 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
 
 
 def test_an_operation_made_after_its_post_keeps_the_deadline_of_the_post() -> None:
-    """(``Lane.run`` has its LaneOp made only where it adopts it, after the spin.)"""
+    """(``Lane.run_waiting`` has its LaneOp made only where it adopts it, after the spin.)"""
     buf = as_buffer(np.ones(2, np.float32), "x")
     desc = Descriptor(KINDS["allreduce"], buf.dtype.code, REDUCTION_CODES["sum"], 0, 2)
     posted = time.monotonic() - 5.0
@@ -403,7 +404,7 @@ def test_a_forked_child_cannot_move_an_inherited_lane_request(
 
 
 class Interrupted:
-    """``Lane.run``'s ``adopt`` whose first call raises ``error`` (a signal handler's
+    """``Lane.run_waiting``'s ``adopt`` whose first call raises ``error`` (a signal handler's
     exception landing in it), and later ones hand over ``op``."""
 
     def __init__(self, op: LaneOp, error: type[BaseException]) -> None:
@@ -439,7 +440,7 @@ def test_an_exception_in_run_after_it_published_leaves_the_operation_to_the_lane
 
         setattr(mailbox, where, once)
     with pytest.raises(KeyboardInterrupt):
-        lane.run(0, mine.header, mine.buf.flat, mine.buf.dtype, "sum", None, adopt)
+        lane.run_waiting(0, mine.header, mine.buf.flat, mine.buf.dtype, "sum", None, adopt)
     assert not mine.request.done()
     theirs = [lane_op(0, np.full(2, 2.0, np.float32))]
     post(world.lanes[1], theirs[0])

@@ -13,7 +13,7 @@ end is checked here rule by rule, in milliseconds:
 - the stall inspector names the ranks that never posted;
 - a frame for an operation that completed here is dropped and said so;
 - duplicated control frames change nothing;
-- an allreduce a caller's thread started around the session (``Engine.run``) is taken over
+- an allreduce a caller's thread started around the session (``Engine.run_direct``) is taken over
   where it stands, and the session says when it is quiet enough for one to start.
 """
 
@@ -314,7 +314,7 @@ def test_a_hold_ends_once_little_is_held_and_is_said_again_past_the_cap(
 ) -> None:
     """Back-pressure comes and goes: a rank that held past the cap says Hold, then Resume
     once it holds at most a quarter of it (every sender sends as it comes again, and no
-    Posted goes out for later operations); past the cap again, Hold again; all completes."""
+    PostNotice goes out for later operations); past the cap again, Hold again; all completes."""
     count, cap = 1000, 4000 * 4  # each operation's frame: 4000 bytes
     wire = Wire(n, seed, Settings(held_bytes=cap, spin=0.0))
     slow, fast_ranks = n - 1, range(n - 1)
@@ -484,7 +484,7 @@ def test_an_allreduce_started_around_the_session_is_taken_over_where_it_stands(
 ) -> None:
     """Some ranks start the algorithm themselves and send its first frames straight to the
     wire, some pairs of them even take each other's first frame and fold it (as
-    ``Engine.run`` does before it gives up: a partner late, another frame first), then hand
+    ``Engine.run_direct`` does before it gives up: a partner late, another frame first), then hand
     it to the session with ``started=True``; the rest post it as usual. Every rank
     completes with the right values; with a culprit that posted another count, every rank
     fails naming both, whichever way each started (with a MismatchError, or a BrokenError

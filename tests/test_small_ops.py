@@ -5,7 +5,7 @@ thread busy-poll for ``settings.spin`` instead of sleeping in the kernel (engine
 and completing it hands the core to its waiter at once, or its waiter runs the engine's loop
 itself (progress in the call, ``Engine.drive``). The fallback is the sleeping path,
 ``ASYNCREDUCE_SPIN_US=0``, where the progress thread alone moves everything. A blocking one
-runs on its caller's thread when the engine is quiet (``Engine.run``), its frames straight
+runs on its caller's thread when the engine is quiet (``Engine.run_direct``), its frames straight
 through the sockets; ``ASYNCREDUCE_DIRECT=0`` leaves that to the waiter that drives the loop.
 The path tests run all three, on real processes over real sockets: small operations from
 several threads beside large ones from another (over TCP, in the same queues), every value
@@ -313,7 +313,7 @@ def test_a_close_while_waiters_drive_fails_them_and_returns() -> None:
     assert got["took"] < 5, got
 
 
-# ---- a blocking small allreduce run on its caller's thread: Engine.run ---------------------
+# ---- a blocking small allreduce run on its caller's thread: Engine.run_direct -------------------
 
 
 CASES = [(np.float32, "sum"), (np.int64, "max"), (np.float64, "avg"), (np.int32, "prod")]
@@ -458,7 +458,7 @@ def body_after_back_pressure(comm: ar.Communicator) -> dict[str, Any]:
 def test_back_pressure_ends_and_small_operations_run_directly_again() -> None:
     """A hold (flow.py) ends once the slow rank took what it held: the senders send as it
     comes again, and the small blocking allreduces after it run on the caller's thread (a
-    hold for good kept them off it, ``Session.quiet``, and cost every operation a Posted)."""
+    hold for good kept them off it, ``Session.quiet``, and cost every operation a PostNotice)."""
     env = {**TCP, "ASYNCREDUCE_HELD_BYTES": str(64 << 10)}
     results = run_ranks(2, body_after_back_pressure, env=env, timeout=60)
     assert results[1]["held"], "rank 1 never told rank 0 to hold: the test tests nothing"
@@ -593,7 +593,7 @@ def body_barriers(comm: ar.Communicator) -> dict[str, Any]:
 def test_a_blocking_barrier_runs_on_the_callers_thread_and_waits_for_every_rank(
     n: int, path: str
 ) -> None:
-    """The dissemination barrier runs as a small allreduce does (``Engine.run``: a power of
+    """The dissemination barrier runs as a small allreduce does (``Engine.run_direct``: a power of
     two or not; its frames carry no payload, looked for in C or in Python): no rank leaves
     one before the last rank entered it."""
     results = run_ranks(n, body_barriers, env=PATHS[path], timeout=60)

@@ -119,9 +119,9 @@ class Communicator(BlockingCalls):
         timeout: float | None = None, inplace: bool = True,
     ) -> Any:  # fmt: skip
         """``iallreduce(...).wait()``. A small one runs on this thread while nothing else
-        needs to move (``Lane.run`` where the same-host lane takes it, else ``Engine.run``
-        over the sockets): no request, no hand-off to another thread; it is the call most
-        small operations make."""
+        needs to move (``Lane.run_waiting`` where the same-host lane takes it, else
+        ``Engine.run_direct`` over the sockets): no request, no hand-off to another thread; it
+        is the call most small operations make."""
         direct = self._direct
         if direct is not None and type(x) is np.ndarray and inplace and timeout is None and (
             type(op) is str and type(priority) is int

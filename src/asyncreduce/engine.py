@@ -21,7 +21,7 @@ so the transport and the protocol still have one thread at a time, and need no l
 own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is
 raised on this thread, which fails every request as for its own.
 
-A blocking small allreduce or barrier goes further (``run``): holding the loop while the
+A blocking small allreduce or barrier goes further (``run_direct``): holding the loop while the
 engine is quiet (nothing in flight or kept, no beat due, every connection read within
 ``_DIRECT_LOOK``), its caller runs the algorithm (recursive doubling, the barrier:
 ``RunsDirectly``) over the partners' connections itself, taking only the frames whose headers
@@ -118,7 +118,7 @@ class Engine(FrameSink):
         self._driving = False  # a waiter holds the loop (its completions wake nobody)
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
-        self.direct = 0  # operations run to the end on their caller's thread (run)
+        self.direct = 0  # operations run to the end on their caller's thread (run_direct)
         self._looked = 0.0  # when the loop last read every connection (a direct run's look
         # leaves out the streams the run reads: see _DIRECT_LOOK)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
@@ -188,7 +188,7 @@ class Engine(FrameSink):
         finally:
             self._give_back_loop()
 
-    def run(
+    def run_direct(
         self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         timeout: float | None, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
@@ -371,7 +371,7 @@ class Engine(FrameSink):
         self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         posted: float, end: float, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
-        """``run``, holding the loop (first a look at every connection and a tick, if nobody
+        """``run_direct``, holding the loop (first a look at every connection and a tick, if nobody
         made one for ``_SELF_LOOK``: this thread stays aside meanwhile, ``_ASIDE_GRACE``)."""
         transport, session = self.transport, self.session
         size = algo.message_bytes

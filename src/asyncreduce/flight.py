@@ -67,7 +67,7 @@ class FlightRecorder:
     def ran(
         self, name: bytes, instance: int, desc: Any, priority: int, posted: float, ended: float
     ) -> None:
-        """An operation that ran to the end on its caller's thread (``Engine.run``; times by
+        """An operation that ran to the end on its caller's thread (``Engine.run_direct``; times by
         ``time.monotonic``): kept as a tuple, one append (atomic) without the lock, and worded
         as a done record by ``snapshot``. A record per call would cost a tenth of the call;
         none would let ``culprit`` blame a rank for what it ran this way."""

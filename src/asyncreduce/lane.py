@@ -9,18 +9,18 @@ into this rank's mailbox slot for its sequence number (mailbox.py), and whoever 
 every peer's slot for that number and, once all are there, combines them in rank order, so
 every rank ends bitwise equal. No frame, no socket, no thread hand-off: an operation costs
 about what its Python does. Every other unnamed operation of the communicator leaves a note in
-its slot instead (``ELSEWHERE``), so the slots keep one numbering.
+its slot instead (``ON_ENGINE``), so the slots keep one numbering.
 
 Every semantic of the engine stays, because the engine keeps all of them:
 - the choice of path is a function of the descriptor, so ranks that agree take the same one;
   where a peer's slot holds a note, or another descriptor, this rank hands the operation to
   the engine as it is (``convert``), whose matching completes it or fails it on every rank
   with its MismatchError;
-- deadlines, broken peers and silent peers are watched by the progress thread (``watch``),
-  which fails an operation through the session, so peers hear of it as of any other
-  failure, and a later post fails at once; an operation that still needs a rank that said
-  goodbye (its slot lacks it) fails on every rank by itself, alike, as each reads the same
-  final slot;
+- deadlines, broken peers and silent peers are watched by the progress thread (``watch``,
+  by protocol/outside.py's rules), which fails an operation through the session, so peers
+  hear of it as of any other failure, and a later post fails at once; an operation that still
+  needs a rank that said goodbye (its slot lacks it) fails on every rank by itself, alike, as
+  each reads the same final slot;
 - whatever a call of the lane raises (a signal handler's exception, most often), the
   operation it brought stays the lane's, and the sequence stays whole (``_rescue``);
 - posting never blocks: a contribution whose slot is not free yet (a peer is ``SLOTS``
@@ -38,6 +38,7 @@ Its operations have no flight record and are not asked about as stalls.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -49,20 +50,20 @@ from . import forks
 from .algorithms import Array, DType
 from .buffers import Buffer
 from .envvars import env_number
-from .errors import BrokenError, ClosedError, UsageError
+from .errors import ClosedError, UsageError
 from .keys import Key
-from .protocol.failure import broken_by, same_error, silent_for, timed_out
 from .protocol.operation import Settings
+from .protocol.outside import judge
 from .protocol.session import Session
 from .request import Request
 from .samehost.mailbox import (
     AGREED,
-    ELSEWHERE,
     HERE,
+    ON_ENGINE,
     SLOT_BYTES,
     WAITING,
-    Header,
     Mailbox,
+    SlotHeader,
     header,
     supported,
 )
@@ -86,7 +87,7 @@ class LaneOp:
     __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
                  "timeout", "deadline")  # fmt: skip
 
-    request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run`` needs one
+    request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run_waiting`` needs one
 
     def __init__(
         self, key: Key, label: str, desc: Descriptor, buf: Buffer, op: str,
@@ -115,7 +116,7 @@ class Lane:
         self._convert = convert
         self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
-        self._unpublished: dict[int, tuple[Header, LaneOp | None]] = {}
+        self._unpublished: dict[int, tuple[SlotHeader, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
         self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
         self._finished: dict[int, None] = {}  # done with, above ``_through`` (``_done_with``)
@@ -123,7 +124,7 @@ class Lane:
         self._closed = False
         self.completed = 0  # operations this lane completed itself (diagnostics, tests)
         self.converted = 0  # and those it handed to the engine
-        self.ran = 0  # of the completed, those ``run`` did on the caller's thread
+        self.ran = 0  # of the completed, those ``run_waiting`` did on the caller's thread
         self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
         self.moved_at = 0.0  # when the lane last published or completed something
         self._generation = forks.generation()  # a forked child must not move it (``_forked``)
@@ -152,8 +153,8 @@ class Lane:
             self._rescue(op.seq, lambda: op)
             raise
 
-    def run(
-        self, seq: int, head: Header, flat: Array, dtype: DType, op: str,
+    def run_waiting(
+        self, seq: int, head: SlotHeader, flat: Array, dtype: DType, op: str,
         timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
         """Run operation ``seq`` (``head``: its header; ``flat``: its buffer, of ``dtype``) on
@@ -215,12 +216,12 @@ class Lane:
             if self._closed:
                 return  # (the engine refuses the operation itself)
             try:
-                self._unpublished[seq] = (header(ELSEWHERE, desc), None)
+                self._unpublished[seq] = (header(ON_ENGINE, desc), None)
                 self._done_with(seq)
                 self._advance()
             except BaseException:
                 if seq >= self._next and seq not in self._unpublished:
-                    self._unpublished[seq] = (header(ELSEWHERE, desc), None)
+                    self._unpublished[seq] = (header(ON_ENGINE, desc), None)
                 if not (seq < self._through or seq in self._finished):
                     self._done_with(seq)
                 raise
@@ -310,44 +311,22 @@ class Lane:
             self._advance()
 
     def watch(self, session: Session, now: float, silent: set[int]) -> None:
-        """Fail what must fail, through ``session`` (its commands are the caller's to apply):
-        operations of a broken communicator, or that still need a rank that said goodbye,
-        past their deadline, or waiting for a ``silent`` peer."""
+        """Fail what must fail (protocol/outside.py's rules), through ``session`` where the
+        peers must hear of it (its commands are the caller's to apply)."""
         with self._lock:
             if not self._pending:
                 return
-            departed = session.liveness.departed
+            departed, failed = session.liveness.departed, session.matching.failed
+            wait = session.settings.peer_timeout
             for op in self._ordered():
-                if session.broken is not None:
-                    earlier = session.matching.failed.get(op.key)
-                    error = (same_error(earlier, str(earlier)) if earlier is not None
-                             else broken_by(op, session.broken))  # fmt: skip
-                    self._fail(op, error)
-                    continue
-                if departed and self._needs_departed(op, departed):
-                    continue
-                late = bool(op.deadline) and now >= op.deadline
-                missing = self.mailbox.missing(op.seq) if late or silent else set()
-                if late:
-                    self._fail_everywhere(session, op, timed_out(op, self.rank, missing))
-                elif missing & silent:
-                    quiet, wait = missing & silent, session.settings.peer_timeout
-                    self._fail_everywhere(session, op, silent_for(op, self.rank, quiet, wait))
-
-    def _needs_departed(self, op: LaneOp, departed: dict[int, str]) -> bool:
-        """Fail ``op`` here if a rank that said goodbye has not published it: it never will
-        (it closed its lane before its goodbye). Where its slot holds ``op``, ``op`` needs
-        nothing more of it and goes on. Every rank reads the same final slot after the same
-        goodbye, so each ends ``op`` alike with no word to the others (a word that broke
-        them could fail, on a rank that has not folded yet, an operation another completed),
-        whenever it posted ``op`` and read the goodbye. (The engine judges its operations
-        the same way: ``Session._fail_what_needs_the_departed``.)"""
-        gone = departed.keys() & self.mailbox.missing(op.seq)
-        if not gone:
-            return False
-        peer = min(gone)
-        self._fail(op, BrokenError(f"{op.label} still needed rank {peer}, but {departed[peer]}"))
-        return True
+                verdict = judge(op, self.rank, now, broken=session.broken,
+                                earlier=failed.get(op.key), departed=departed,
+                                missing=functools.partial(self.mailbox.missing, op.seq),
+                                silent=silent, peer_timeout=wait)  # fmt: skip
+                if verdict is not None:
+                    self._fail(op, verdict.error)
+                    if verdict.everywhere:
+                        session.fail_all(verdict.error, (op.key, op.desc))
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)`` (and what ``run`` moves); later posts raise
@@ -425,7 +404,7 @@ class Lane:
         seq = next(iter(pending)) if len(pending) == 1 else min(pending)
         return seq if seq < self._next else -1
 
-    def _publish(self, seq: int, head: Header, data: Array | None) -> None:
+    def _publish(self, seq: int, head: SlotHeader, data: Array | None) -> None:
         self.moved_at = time.monotonic()
         self.mailbox.publish(seq, head, data)
         self._next = seq + 1  # (then nothing but the caller's plain steps: see above)
@@ -477,11 +456,7 @@ class Lane:
         if op.seq not in self._pending:
             return
         if op.seq in self._unpublished:  # peers still wait for its slot: it says "elsewhere"
-            self._unpublished[op.seq] = (header(ELSEWHERE, op.desc), None)
+            self._unpublished[op.seq] = (header(ON_ENGINE, op.desc), None)
         self._done_with(op.seq)
         if not op.request.done():
             op.request.set_exception(error)
-
-    def _fail_everywhere(self, session: Session, op: LaneOp, error: BaseException) -> None:
-        self._fail(op, error)
-        session.fail_all(error, (op.key, op.desc))

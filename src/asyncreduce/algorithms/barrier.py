@@ -26,7 +26,7 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 class Barrier(Collective):
     """Complete only once every rank has entered the barrier. A caller may run it message by
-    message itself (``RunsDirectly``: ``Engine.run``)."""
+    message itself (``RunsDirectly``: ``Engine.run_direct``)."""
 
     message_bytes = 0
 

@@ -138,7 +138,7 @@ class Collective(ABC):
 
 class RunsDirectly(Protocol):
     """An algorithm a caller may run itself, message by message, on its own thread
-    (``Engine.run``): every message it receives is one of ``message_bytes``, named as the
+    (``Engine.run_direct``): every message it receives is one of ``message_bytes``, named as the
     message it sends in the same step (so the caller knows the frame to look for), and
     it says which one it needs next."""
 

@@ -64,7 +64,7 @@ class RecursiveDoubling(Collective):
     @property
     def awaited(self) -> tuple[int, int] | None:
         """(the rank, the step) of the message this rank needs next; None once done. A
-        caller that moves the messages itself (``Engine.run``) reads which one to take."""
+        caller that moves the messages itself (``Engine.run_direct``) reads which one to take."""
         if self._received == self._expected:  # (done, without the property: every look asks)
             return None
         step = self._last_step if self._sits_out else self._step
@@ -160,7 +160,7 @@ class RecursiveDoubling(Collective):
 
 
 class DirectAllreduce:
-    """A small allreduce as a direct run (``Engine.run``, a ``RunsDirectly``) sees it: the
+    """A small allreduce as a direct run (``Engine.run_direct``, a ``RunsDirectly``) sees it: the
     swaps of recursive doubling (with a power of two ranks; worked out once per rank and
     world size) over the buffer, no more. It costs a fraction of ``RecursiveDoubling``'s
     set-up, which most direct runs never need: the algorithm itself is made (``algorithm``)

@@ -43,7 +43,7 @@ from ..lane import Lane, LaneOp
 from ..plans import Plan
 from ..protocol.operation import Operation
 from ..request import CallbackRunner, Request
-from ..samehost.mailbox import HERE, Header, Mailbox, header
+from ..samehost.mailbox import HERE, Mailbox, SlotHeader, header
 from ..samehost.planes import DataPlane, SharedPlanes
 from ..transport.frame import Descriptor
 from .common import EngineBackend, log_post
@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DirectCalls", "LocalBackend", "NativeBackend"]
 
-_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run may run on its caller's thread,
+_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run_direct may run on its caller's thread,
 _DIRECT_ALGORITHMS = (RecursiveDoubling, Barrier)  # built as these (a group's are wrapped)
-Prepared = tuple[DType, Descriptor, Header]  # DirectCalls.prepared: type, descriptor, slot header
+Prepared = tuple[DType, Descriptor, SlotHeader]  # DirectCalls.prepared: type, descriptor, header
 
 
 def built(
@@ -88,7 +88,7 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, Header]] = {}  # _descriptor
+        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, SlotHeader]] = {}
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
@@ -129,8 +129,8 @@ class NativeBackend(EngineBackend):
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
         """``submit`` for a caller that waits for the operation at once: one the lane takes
-        runs on the caller's thread where it can (``Lane.run``), and so does a small
-        allreduce or a barrier the engine takes, over the sockets (``Engine.run``); None:
+        runs on the caller's thread where it can (``Lane.run_waiting``), and so does a small
+        allreduce or a barrier the engine takes, over the sockets (``Engine.run_direct``); None:
         done, its result is in place. Any other gets a request (``runner`` runs its
         callbacks), returned."""
         lane = self.lane
@@ -138,7 +138,7 @@ class NativeBackend(EngineBackend):
             algo, desc = self._built(plan, key, label)
             made = _adopter(key, label, desc, algo, plan.result, priority, timeout, runner)
             if isinstance(algo, _DIRECT_ALGORITHMS) and plan.kind in _DIRECT_KINDS:
-                return self.engine.run(key, label, desc, algo, priority, timeout, made)
+                return self.engine.run_direct(key, label, desc, algo, priority, timeout, made)
             op = made()
             self.engine.submit(op)
             return op.request
@@ -147,7 +147,7 @@ class NativeBackend(EngineBackend):
         buf, reduce_op = plan.buf, plan.op or "sum"
         adopt = _lane_adopter(key, label, desc, lambda: buf, reduce_op, plan.result, timeout,
                               posted, runner)  # fmt: skip
-        return lane.run(key[1], head, buf.flat, buf.dtype, reduce_op, timeout, adopt)
+        return lane.run_waiting(key[1], head, buf.flat, buf.dtype, reduce_op, timeout, adopt)
 
     def _small_allreduce(self, plan: Plan) -> tuple[Collective, Descriptor] | None:
         """What ``built`` makes of a small allreduce (recursive doubling: no shared memory
@@ -166,7 +166,7 @@ class NativeBackend(EngineBackend):
     ) -> LaneOp:
         return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
-    def _described(self, plan: Plan, label: str) -> tuple[Descriptor, Header]:
+    def _described(self, plan: Plan, label: str) -> tuple[Descriptor, SlotHeader]:
         """A lane operation's descriptor and slot header (``_descriptor`` keeps them),
         ``admitted``."""
         found = self._descriptor(plan)
@@ -183,7 +183,7 @@ class NativeBackend(EngineBackend):
             raise refused
         log_post(self.rank, label, desc)
 
-    def _descriptor(self, plan: Plan) -> tuple[Descriptor, Header]:
+    def _descriptor(self, plan: Plan) -> tuple[Descriptor, SlotHeader]:
         """A small allreduce's (or a barrier's) descriptor and lane slot header, kept per
         kind, dtype, reduction and count (a loop posts the same few): building them costs
         more than a look."""
@@ -227,7 +227,7 @@ class NativeBackend(EngineBackend):
 
 class DirectCalls:
     """A communicator's blocking small allreduce of a numpy array, and its barrier, run on
-    the caller's thread (``Engine.run``) in the fewest Python steps: the most frequent calls
+    the caller's thread (``Engine.run_direct``) in the fewest Python steps: the most frequent calls
     of all (a loss, a metric, a layer's gradients in forward mode), where each step of the
     general path (a ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at
     the wire. The same operations as the general path's, key, descriptor and algorithm
@@ -268,9 +268,9 @@ class DirectCalls:
         self, x: Array, prepared: Prepared, op: str, key: Key, label: str, priority: int,
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
-        """``Engine.run`` of the allreduce of ``x`` (``prepared``), numbered ``key``, or
-        ``Lane.run`` where the lane takes it (unnamed; ``NativeBackend.run``'s checks): None,
-        done in place; else its request."""
+        """``Engine.run_direct`` of the allreduce of ``x`` (``prepared``), numbered ``key``, or
+        ``Lane.run_waiting`` where the lane takes it (unnamed; ``NativeBackend.run``'s checks):
+        None, done in place; else its request."""
         backend = self._backend
         dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
@@ -279,15 +279,15 @@ class DirectCalls:
             backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
                                     None, 0.0, runner)  # fmt: skip
-            return lane.run(key[1], head, flat, dtype, op, None, in_lane)
+            return lane.run_waiting(key[1], head, flat, dtype, op, None, in_lane)
         algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
         log_post(backend.rank, label, desc)
         adopt = _adopter(key, label, desc, algo, lambda: x, priority, None, runner)
-        return backend.engine.run(key, label, desc, algo, priority, None, adopt)
+        return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt)
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
-        """``Engine.run`` of a barrier numbered ``key`` (``Lane.run``, where the lane takes
-        it: ``NativeBackend.run``): None, done; else its request."""
+        """``Engine.run_direct`` of a barrier numbered ``key`` (``Lane.run_waiting``, where the
+        lane takes it: ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
         if backend.lane is not None and not key[0]:
             return backend.run(plans.barrier(), key, label, 0, None, runner)
@@ -295,7 +295,7 @@ class DirectCalls:
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)
         adopt = _adopter(key, label, desc, algo, _nothing, 0, None, runner)
-        return backend.engine.run(key, label, desc, algo, 0, None, adopt)
+        return backend.engine.run_direct(key, label, desc, algo, 0, None, adopt)
 
 
 def _lane_adopter(
@@ -303,7 +303,8 @@ def _lane_adopter(
     result: Callable[[], Any], timeout: float | None, posted: float, runner: CallbackRunner,
 ) -> Callable[[], LaneOp]:  # fmt: skip
     """How a blocking call makes its ``LaneOp`` (with a request whose callbacks ``runner``
-    runs) where ``Lane.run`` cannot finish it alone: only then, since most never need one."""
+    runs) where ``Lane.run_waiting`` cannot finish it alone: only then, since most never need
+    one."""
 
     def adopt() -> LaneOp:
         made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
@@ -323,7 +324,7 @@ def _adopter(
     priority: int, timeout: float | None, runner: CallbackRunner,
 ) -> Callable[[], Operation]:  # fmt: skip
     """How a blocking call makes its ``Operation`` (with a request whose callbacks ``runner``
-    runs) where it cannot run on its caller's thread to the end (``Engine.run``'s ``adopt``):
+    runs) where it cannot run on its caller's thread to the end (``Engine.run_direct``'s ``adopt``):
     only then, since most never need one. The engine goes on with ``algo.algorithm``, from
     wherever the run left it."""
 

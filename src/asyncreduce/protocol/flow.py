@@ -2,14 +2,14 @@
 their sender down without pausing the connection.
 
 Frames for operations not posted here are held, up to ``Settings.held_bytes``. Past that, this
-rank sends the peer a ``Hold`` and then a ``Posted`` for each operation it has posted (and for
+rank sends the peer a ``Hold`` and then a ``PostNotice`` for each operation it has posted (and for
 each one it posts later): from then on the peer keeps the frames of other operations in its own
 memory (the caller's buffers, no copy) until this rank posts them, a rendezvous that costs a
 round trip only where this rank is late anyway. The connection itself is never paused, so what
 this rank waits for is never stuck behind what it cannot take: back-pressure slows a fast rank
 down, it cannot deadlock. Once this rank holds no more than a quarter of the cap, it sends a
 ``Resume``: the peer sends what it kept back and everything as it comes again (a hold for
-good would cost every later operation a ``Posted`` and the peer's wait for it, and keep the
+good would cost every later operation a ``PostNotice`` and the peer's wait for it, and keep the
 small ones off the direct run, ``Session.quiet``).
 
 Two sides, one class: ``holding_back`` (peers that told this rank to hold) with the keys they

@@ -59,7 +59,7 @@ class Settings:
     flight_records: int = 1000  # operations the flight recorder keeps
     flight_dir: str | None = None  # where the flight record is written when the engine breaks
     spin: float = 250e-6  # busy-poll this long after a small operation's last event (0: never)
-    direct: bool = True  # a blocking small allreduce may run on its caller's thread (Engine.run)
+    direct: bool = True  # a blocking small allreduce may run on its caller's thread (run_direct)
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -88,7 +88,7 @@ class Session:
 
     def quiet(self, key: Key, now: float) -> bool:
         """Whether operation ``key`` may run around the session, on the caller's thread, its
-        frames straight through the sockets (``Engine.run``): nothing is in flight here, no
+        frames straight through the sockets (``Engine.run_direct``): nothing is in flight here, no
         frame waits for an operation, no rank holds back or is held back, none said goodbye,
         nothing is broken, and no beat is due (a turn of the loop sends it)."""
         matching, liveness, flow = self.matching, self.liveness, self.flow
@@ -100,7 +100,7 @@ class Session:
         )  # fmt: skip
 
     def heard_from(self, peers: Iterable[int], now: float) -> None:
-        """A frame of each of ``peers`` was taken around the session (``Engine.run``): they
+        """A frame of each of ``peers`` was taken around the session (``Engine.run_direct``): they
         are alive, as if it had come through ``on_view``."""
         heard = self.liveness.heard
         for peer in peers:
@@ -109,7 +109,7 @@ class Session:
     def ran(
         self, key: Key, label: str, desc: Descriptor, priority: int, posted: float, now: float
     ) -> None:
-        """Operation ``key`` ran around the session to the end (``Engine.run``), posted at
+        """Operation ``key`` ran around the session to the end (``Engine.run_direct``), posted at
         ``posted``: it is remembered as done, so a frame that still came for it would be
         judged as for any other operation that ended, and so does the flight recorder."""
         self.matching.remember_done(key, desc)
@@ -125,7 +125,7 @@ class Session:
 
     def post(self, op: Operation, now: float, started: bool = False) -> None:
         """Start an operation posted on this rank (``started``: its algorithm started on the
-        caller's thread, ``Engine.run``, and the frames it sent so far are the transport's,
+        caller's thread, ``Engine.run_direct``, and the frames it sent so far are the transport's,
         snapshots of the buffer, so the session takes it over where it stands)."""
         self._now = now
         if self.broken is not None:
@@ -139,7 +139,7 @@ class Session:
         op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
         self._spin_after(op)
         if self.flow.told:
-            self._control(self.flow.told, wire.Posted(op.key, op.desc))
+            self._control(self.flow.told, wire.PostNotice(op.key, op.desc))
         op.age = next(self._order)
         op.started = now
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
@@ -311,7 +311,7 @@ class Session:
         if isinstance(message, wire.Hold):
             if self.flow.start_holding(peer):  # send it only what it has posted from now on
                 self.commands.append((do.WITHDRAW, peer))
-        elif isinstance(message, wire.Posted):
+        elif isinstance(message, wire.PostNotice):
             self._send_kept(peer, self.flow.posted_there(peer, message.key, self.matching.live))
         elif isinstance(message, wire.Resume):
             self._send_kept(peer, self.flow.resumed(peer, self.matching.live))
@@ -399,7 +399,7 @@ class Session:
             if self.flow.over_cap(peer, matching.unexpected_bytes):
                 self._control((peer,), wire.Hold())
                 for op in matching.ops.values():
-                    self._control((peer,), wire.Posted(op.key, op.desc))
+                    self._control((peer,), wire.PostNotice(op.key, op.desc))
 
     def _late_frame(self, peer: int, header: Header) -> None:
         """A frame for an operation completed here: ranks disagreed in a way the operation could

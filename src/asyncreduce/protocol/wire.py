@@ -7,15 +7,15 @@ only code that reads or writes these fields) says which frame type
 carries it and which fields hold what. So a field means one thing per message, and the session
 never reads ``seg`` or ``instance`` itself:
 
-    message   frame type   key (name, instance)   seg              payload
-    Beat      HEARTBEAT    -                      -                -
-    Hold      FLOW         - (instance 1)         -                -
-    Resume    FLOW         - (instance 2)         -                -
-    Posted    INQUIRY      the operation          POSTED           -
-    Ask       INQUIRY      the operation          ASK              -
-    Answer    INQUIRY      the operation          the answer       -
-    Failed    ERROR        the operation          the error class  the reason (UTF-8)
-    Abort     ABORT        -                      -                the reason (UTF-8)
+    message     frame type   key (name, instance)   seg              payload
+    Beat        HEARTBEAT    -                      -                -
+    Hold        FLOW         - (instance 1)         -                -
+    Resume      FLOW         - (instance 2)         -                -
+    PostNotice  INQUIRY      the operation          POSTED           -
+    Ask         INQUIRY      the operation          ASK              -
+    Answer      INQUIRY      the operation          the answer       -
+    Failed      ERROR        the operation          the error class  the reason (UTF-8)
+    Abort       ABORT        -                      -                the reason (UTF-8)
 
 DATA frames are the algorithms' (``step``/``seg`` name a message inside the operation), and
 GOODBYE is the transport's closing handshake; neither is a control message here.
@@ -43,7 +43,7 @@ from ..transport.frame import (
 __all__ = [
     "ON_DEVICE", "Key", "data_head", "describe", "mismatch_hint", "payload_bytes",
     "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED", "ANSWERS",
-    "Beat", "Hold", "Resume", "Posted", "Ask", "Answer", "Failed", "Abort", "Control",
+    "Beat", "Hold", "Resume", "PostNotice", "Ask", "Answer", "Failed", "Abort", "Control",
     "encode", "decode", "NO_DESC",
 ]  # fmt: skip
 
@@ -63,7 +63,7 @@ ANSWERS = {PENDING: "pending", NOT_POSTED: "not posted", DONE: "done", FAILED: "
 #: ERROR's ``seg``: the class the operation fails with on the receiver too.
 ERROR_CLASSES: dict[int, type[Exception]] = {1: MismatchError, 2: TimeoutError, 3: BrokenError}
 ERROR_CODES = {cls: code for code, cls in ERROR_CLASSES.items()}
-BROKE = ERROR_CODES[BrokenError]  # also: a rank that broke, not one operation that failed
+BROKEN_CODE = ERROR_CODES[BrokenError]  # also: a rank that broke, not one operation that failed
 
 _KIND_NAMES = {code: name for name, code in KINDS.items()}
 _DTYPE_NAMES = {code: dtype.name for code, dtype in DTYPE_BY_CODE.items()}
@@ -82,7 +82,7 @@ class Resume(NamedTuple):
     """"I hold little of yours again: send me everything as it comes" (ends a ``Hold``)."""
 
 
-class Posted(NamedTuple):
+class PostNotice(NamedTuple):
     """"I posted this operation: you may send me its frames" (to a peer told to hold)."""
 
     key: Key
@@ -119,7 +119,7 @@ class Abort(NamedTuple):
     reason: str
 
 
-Control = Beat | Hold | Resume | Posted | Ask | Answer | Failed | Abort
+Control = Beat | Hold | Resume | PostNotice | Ask | Answer | Failed | Abort
 
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, NO_DESC)
 _HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, NO_DESC)
@@ -144,9 +144,9 @@ def encode(message: Control) -> tuple[bytes, bytes]:
     (name, instance), desc = message.key, message.desc
     if isinstance(message, Failed):
         reason = _reason_bytes(message.reason)
-        code = ERROR_CODES.get(message.error, BROKE)
+        code = ERROR_CODES.get(message.error, BROKEN_CODE)
         return pack_header(ERROR, name, instance, 0, code, len(reason), desc), reason
-    seg = POSTED if isinstance(message, Posted) else ASK if isinstance(message, Ask) else 0
+    seg = POSTED if isinstance(message, PostNotice) else ASK if isinstance(message, Ask) else 0
     if isinstance(message, Answer):
         seg = message.answer
     return pack_header(INQUIRY, name, instance, 0, seg, 0, desc), b""
@@ -167,7 +167,7 @@ def decode(header: Header, payload: memoryview | bytes) -> Control | None:
         return Failed(header.key, header.desc, error, bytes(payload).decode(errors="replace"))
     if kind == INQUIRY:
         if header.seg == POSTED:
-            return Posted(header.key, header.desc)
+            return PostNotice(header.key, header.desc)
         if header.seg == ASK:
             return Ask(header.key, header.desc)
         return Answer(header.key, header.desc, header.seg) if header.seg in ANSWERS else None
@@ -204,7 +204,7 @@ def mismatch_hint(mine: Descriptor, theirs: Descriptor) -> str:
 
 def data_head(key: Key, step: int, seg: int, nbytes: int, desc: Descriptor) -> bytes:
     """The header and name of one DATA frame of operation ``key``: what the session sends, and
-    what a direct run (``Engine.run``) sends and expects from its partners byte for byte."""
+    what a direct run (``Engine.run_direct``) sends and expects from its partners byte for byte."""
     return pack_header(DATA, key[0], key[1], step, seg, nbytes, desc)
 
 

@@ -7,7 +7,7 @@ operation with sequence number ``seq`` (its key's instance: every rank posts unn
 operations in the same order) always goes to slot ``seq % SLOTS``, on every rank, so a reader
 knows where to look without being told. A slot holds its operation's descriptor and either
 this rank's contribution (``HERE``) or a note that this rank runs the operation on the engine
-instead (``ELSEWHERE``). Failures do not go through the mailboxes: the engine tells every rank
+instead (``ON_ENGINE``). Failures do not go through the mailboxes: the engine tells every rank
 (lane.py).
 
 Single writer, ordered stores. The owner writes a slot's data and descriptor first and its
@@ -49,13 +49,13 @@ try:
 except ImportError:  # not built (no C compiler at set-up): the Python mailbox alone
     Core = None  # type: ignore[assignment,misc]
 
-__all__ = ["AGREED", "DIFFERENT", "ELSEWHERE", "HERE", "SLOT_BYTES", "SLOTS", "WAITING", "Header",
-           "Mailbox", "NativeMailbox", "header", "native_wanted", "open_mailbox", "region_bytes",
-           "supported"]  # fmt: skip
+__all__ = ["AGREED", "DIFFERENT", "HERE", "ON_ENGINE", "SLOT_BYTES", "SLOTS", "WAITING",
+           "SlotHeader", "Mailbox", "NativeMailbox", "header", "native_wanted", "open_mailbox",
+           "region_bytes", "supported"]  # fmt: skip
 
 SLOTS = 32  # operations a rank may have published ahead of its slowest peer
 SLOT_BYTES = SMALL_ALLREDUCE_BYTES  # the largest contribution a slot takes
-HERE, ELSEWHERE = 1, 2  # what a slot holds
+HERE, ON_ENGINE = 1, 2  # what a slot holds
 WAITING, AGREED, DIFFERENT = 0, 1, 2  # what the peers' slots for one operation say
 _AGREED_UNFOLDED = 3  # (the C mailbox's word for AGREED where it left the fold to numpy)
 
@@ -66,11 +66,11 @@ _DATA = _HEAD + SLOTS * _FIELDS * 8
 _HEAD_WORDS = _HEAD // 8
 
 
-Header: TypeAlias = "array[int]"  # a slot's header after its stamp: state, the 5 fields
+SlotHeader: TypeAlias = "array[int]"  # a slot's header after its stamp: state, the 5 fields
 
 
 @functools.lru_cache(maxsize=1024)
-def header(state: int, descriptor: tuple[int, ...]) -> Header:
+def header(state: int, descriptor: tuple[int, ...]) -> SlotHeader:
     """What ``publish`` writes after the stamp, and ``state`` compares with, as one block;
     shared by every operation with the same descriptor (a loop posts the same few), so
     never written to."""
@@ -143,9 +143,9 @@ class Mailbox:
                 return False
         return True
 
-    def publish(self, seq: int, header: Header, data: Array | None) -> None:
+    def publish(self, seq: int, header: SlotHeader, data: Array | None) -> None:
         """Put ``seq``'s ``header`` (``header(...)``: HERE with this rank's contribution
-        ``data``, a contiguous array of at most ``SLOT_BYTES``, or ELSEWHERE with None) in its
+        ``data``, a contiguous array of at most ``SLOT_BYTES``, or ON_ENGINE with None) in its
         slot. Only after ``free(seq)``."""
         base, words = _base(seq), self._mine.words
         if data is not None:
@@ -153,7 +153,7 @@ class Mailbox:
         words[base + _STATE : base + _STATE + 6] = header  # one copy: a peer spins on this line
         words[base + _STAMP] = seq + 1  # last: a reader that sees it sees the rest
 
-    def state(self, seq: int, header: Header) -> int:
+    def state(self, seq: int, header: SlotHeader) -> int:
         """``WAITING`` while a peer has not published ``seq``; then ``AGREED`` if every peer's
         header is ``header`` (``HERE``, the same descriptor), else ``DIFFERENT``."""
         base, stamp = _base(seq), seq + 1
@@ -172,7 +172,7 @@ class Mailbox:
         does, without the GIL."""
         return False
 
-    def collect(self, seq: int, header: Header, out: Array, dtype: DType, op: str) -> int:
+    def collect(self, seq: int, header: SlotHeader, out: Array, dtype: DType, op: str) -> int:
         """``state(seq, header)``, and where it is ``AGREED``, ``out`` = every rank's
         contribution reduced with ``op`` in rank order, as the engine's ``fold`` and
         ``finalize`` would (``header`` is ``out``'s, with ``dtype`` and ``op``)."""
@@ -220,16 +220,16 @@ class NativeMailbox(Mailbox):
         regions = [mine if r == rank else peers[r] for r in range(self.world_size)]
         self._core = Core(rank, regions, SLOTS, _FIELDS, _HEAD_WORDS, _DATA, SLOT_BYTES)
 
-    def publish(self, seq: int, header: Header, data: Array | None) -> None:
+    def publish(self, seq: int, header: SlotHeader, data: Array | None) -> None:
         self._core.publish(seq, header, data)
 
-    def state(self, seq: int, header: Header) -> int:
+    def state(self, seq: int, header: SlotHeader) -> int:
         return self._core.state(seq, header)
 
     def wait(self, seq: int, seconds: float) -> bool:
         return self._core.wait(seq, seconds)
 
-    def collect(self, seq: int, header: Header, out: Array, dtype: DType, op: str) -> int:
+    def collect(self, seq: int, header: SlotHeader, out: Array, dtype: DType, op: str) -> int:
         state = self._core.collect(seq, header, out)
         if state == _AGREED_UNFOLDED:  # a type or reduction C does not fold: numpy's
             self._fold(seq, out, dtype, op)

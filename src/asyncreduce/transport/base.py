@@ -9,7 +9,7 @@ of sending) and never interleave below frame granularity; a peer that fails is r
 A peer that said GOODBYE and then closes is not a failure: closing is a handshake (GOODBYE,
 half-close, read to EOF) so no byte in flight is lost and no connection is reset.
 A transport may also let the thread that holds the loop move one small frame each way around
-its queue and its reader (``quiet``, ``take_frame``: see ``Engine.run``).
+its queue and its reader (``quiet``, ``take_frame``: see ``Engine.run_direct``).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Transport(ABC):
 
     def send_now(self, peer: int, head: bytes, payload: memoryview, priority: int) -> bool:
         """``send`` to a ``quiet`` peer, for a caller that goes on only if the frame left
-        whole (``Engine.run``): whether it did (what did not is queued and written as
+        whole (``Engine.run_direct``): whether it did (what did not is queued and written as
         ``send``'s frames are)."""
         self.send(peer, head, payload, priority, None)
         return self.quiet(peer, 0)

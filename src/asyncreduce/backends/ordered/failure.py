@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import BrokenError
 from ...keys import Key
-from ...protocol.wire import BROKE, ERROR_CLASSES, ERROR_CODES
+from ...protocol.wire import BROKEN_CODE, ERROR_CLASSES, ERROR_CODES
 from .posted import Posted
 
 __all__ = ["break_error", "break_message", "read_break", "run_on_scratch"]
@@ -35,7 +35,7 @@ _REASON_BYTES = 4096
 def break_message(error: BaseException, about: Key | None) -> bytes:
     """The BREAK body for ``error``, about operation ``about`` (None: no one operation)."""
     name, instance = about if about is not None else (b"", 0)
-    code = ERROR_CODES.get(type(error), BROKE)  # type: ignore[arg-type]
+    code = ERROR_CODES.get(type(error), BROKEN_CODE)  # type: ignore[arg-type]
     return _BREAK_HEAD.pack(code, len(name), instance) + name + str(error).encode()[:_REASON_BYTES]
 
 
@@ -53,7 +53,7 @@ def break_error(code: int, peer: int, label: str | None, reason: str) -> Excepti
     """The error this rank fails with when ``peer`` broke with ``code`` about ``label``."""
     cls = ERROR_CLASSES.get(code, BrokenError)
     return cls(f"{label or 'an operation'} failed on rank {peer}: {reason}"
-               if code != BROKE else f"rank {peer} broke: {reason}")  # fmt: skip
+               if code != BROKEN_CODE else f"rank {peer} broke: {reason}")  # fmt: skip
 
 
 def run_on_scratch(op: Posted, rank: int) -> None:

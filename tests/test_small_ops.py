@@ -296,7 +296,7 @@ def body_close_while_driving(comm: ar.Communicator) -> dict[str, Any]:
     waiters = [threading.Thread(target=wait_one, args=(t,)) for t in range(3)]
     for w in waiters:
         w.start()
-    while len(engine._drivers) < 3:
+    while len(engine._loop.drivers) < 3:
         time.sleep(0.001)
     began = time.monotonic()
     comm.close()

@@ -7,19 +7,19 @@ a lock. The protocol itself is sans-IO (protocol/session.py): this thread hands 
 with the time (a post, a frame, a frame sent, a lost peer, a tick, a unit of work) and then
 applies the commands it returned (protocol/commands.py), once the event's call has returned.
 The loop: take submitted operations, let the transport move bytes (it calls back the
-``FrameSink`` methods below), do one unit of the most urgent operation's own work, tick
+``FrameSink``: sink.py), do one unit of the most urgent operation's own work, tick
 (deadlines, heartbeats, stall questions). Closing is a handshake: GOODBYE to every peer, then
 read until each has closed too. Completing a request wakes its waiters; done-callbacks run
 elsewhere (see request.py).
 
-Progress in the call. A thread that waits on a small operation runs that same loop itself for
-a while (``drive``, MPI's progress-in-the-call): it asks for the loop, this thread stands
-aside between two turns (or is woken from its sleep to), and the waiter moves bytes until its
-operation completes, or nothing happened for ``_DRIVE_SPIN``. The completion then wakes
-nobody: the waiter is the thread that finishes it. Whoever runs the loop holds ``_owner``,
+Progress in the call. A thread that waits on a small operation runs that same loop itself for a
+while (``drive``, MPI's progress-in-the-call): it asks for the loop, this thread stands aside
+between two turns (or is woken from its sleep to), and the waiter moves bytes until its
+operation completes, or nothing happened for ``_DRIVE_SPIN``. The completion then wakes nobody:
+the waiter is the thread that finishes it. Whoever runs the loop holds its lock (ownership.py),
 so the transport and the protocol still have one thread at a time, and need no lock of their
-own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is
-raised on this thread, which fails every request as for its own.
+own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is raised
+on this thread, which fails every request as for its own.
 
 A blocking small allreduce or barrier goes further (``run_direct``): holding the loop while the
 engine is quiet (nothing in flight or kept, no beat due, every connection read within
@@ -27,8 +27,8 @@ engine is quiet (nothing in flight or kept, no beat due, every connection read w
 ``RunsDirectly``) over the partners' connections itself, taking only the frames whose headers
 are exactly the expected ones; anything else hands it to the session where it stands, and the
 loop goes on from there as for any operation. Over a power of two ranks every step is a swap
-with one partner, and the transport makes them all in one call (in C: send, look, combine,
-step after step), the algorithm told only at the end how many ran (``RunsDirectly.swaps``).
+with one partner, and the transport makes them all in one call (in C: send, look, combine, step
+after step), the algorithm told only at the end how many ran (``RunsDirectly.swaps``).
 """
 
 from __future__ import annotations
@@ -44,20 +44,21 @@ from typing import Any
 
 import numpy as np
 
-from . import forks
-from .algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly, Send
-from .errors import BrokenError, ClosedError, UsageError
-from .flight import FlightRecorder
-from .kernels.reduction import quiet_numpy
-from .lane import Lane, LaneOp
-from .protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
-from .protocol.failure import broken_by, closed_under
-from .protocol.operation import Operation, Settings, bytes_of
-from .protocol.session import Session
-from .protocol.wire import Key, data_head, describe, payload_bytes
-from .request import Request
-from .transport.base import ELSEWHERE, FrameSink, Transport
-from .transport.frame import MAX_ERROR_BYTES, Descriptor, Header, with_step
+from .. import forks
+from ..algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly, Send
+from ..errors import BrokenError, ClosedError, UsageError
+from ..flight import FlightRecorder
+from ..kernels.reduction import quiet_numpy
+from ..lane import Lane, LaneOp
+from ..protocol.failure import broken_by, closed_under
+from ..protocol.operation import Operation, Settings, bytes_of
+from ..protocol.session import Session
+from ..protocol.wire import Key, data_head, describe, payload_bytes
+from ..request import Request
+from ..transport.base import ELSEWHERE, FrameSink, Transport
+from ..transport.frame import MAX_ERROR_BYTES, Descriptor, with_step
+from .ownership import Ownership
+from .sink import Sink
 
 __all__ = ["THREAD_PREFIX", "Engine"]
 
@@ -75,9 +76,6 @@ _DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it 
 _DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
 # so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
 # most about this long while a thread runs small allreduces (or barriers) back to back
-_ASIDE_GRACE = 10e-3  # how long this thread stays aside after a direct run gave the loop back
-# with nothing left to move: a thread that runs small allreduces back to back finds it aside
-# at its next one, instead of waking it from poll() to take the loop back each time
 _SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
 _TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
 _NOTHING = memoryview(b"")  # the payload of a swap of empty messages (a barrier's)
@@ -85,7 +83,7 @@ _TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without t
 # so another thread's post or wait is noticed within it
 
 
-class Engine(FrameSink):
+class Engine:
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
     def __init__(
@@ -105,17 +103,7 @@ class Engine(FrameSink):
         self._closing = threading.Event()  # close() or abort() was called
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
         self._dozing = False  # and for longer than the lane's nap: a lane post must (nudge)
-        self._applying = False  # commands are being applied (a send may report itself sent)
-        self._owner = threading.RLock()  # held by whoever runs the loop: this thread or a
-        # driver (an RLock to know, after an interrupt, whether this thread still holds it)
-        self._holder = 0  # the thread ident of the driver that holds it, or 0
-        self._turn = threading.Condition(threading.Lock())  # where this thread stands aside
-        self._aside = False  # it does (a submit then wakes it where no driver holds the loop)
-        self._ran_at = -math.inf  # when a direct run last gave the loop back
-        self._drivers: set[int] = set()  # the threads that want the loop or have it (a set:
-        # an add or discard cannot be cut in half by an interrupt)
         self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
-        self._driving = False  # a waiter holds the loop (its completions wake nobody)
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
         self.direct = 0  # operations run to the end on their caller's thread (run_direct)
@@ -123,7 +111,12 @@ class Engine(FrameSink):
         # leaves out the streams the run reads: see _DIRECT_LOOK)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
-        self.transport = make_transport(self)
+        self._loop = Ownership(self._closing, self._asleep, lambda: self.transport.wakeup(),
+                               self._has_work)  # fmt: skip
+        self._sink = Sink(rank, self.session, settings, self.flight, self._closing,
+                          lambda: self._loop.driving)  # fmt: skip
+        self._apply = self._sink.apply
+        self.transport = self._sink.transport = make_transport(self._sink)
         self.lane: Lane | None = None  # the same-host lane, once the communicator opened it
         self._lane_watched = 0.0
         self._thread = threading.Thread(
@@ -148,7 +141,7 @@ class Engine(FrameSink):
         if sleeping:
             self.transport.wakeup()
         else:
-            self.wake()  # (read after the append: see _in_grace)
+            self.wake()  # (read after the append: see Ownership.in_grace)
 
     def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
@@ -183,10 +176,10 @@ class Engine(FrameSink):
         self._refuse_reentry(request.label)
         spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
         try:
-            if self._ask_for_loop(request, time.monotonic() + spin):
+            if self._loop.ask(request, time.monotonic() + spin):
                 quiet_numpy(self._drive, request, spin, timeout)
         finally:
-            self._give_back_loop()
+            self._loop.give_back()
 
     def run_direct(
         self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
@@ -211,13 +204,13 @@ class Engine(FrameSink):
             return self._posted(adopt())
         posted = time.monotonic()
         end = posted + (_DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout))
-        if self._holder == threading.get_ident():
+        if self._loop.holds():
             self._refuse_reentry(label)
         try:
-            if self._ask_for_loop(None, end):
+            if self._loop.ask(None, end):
                 return self._run_held(key, label, desc, algo, priority, posted, end, adopt)
         finally:
-            self._give_back_loop(ran=True)
+            self._loop.give_back(ran=True)
         return self._posted(adopt())
 
     def _posted(self, op: Operation) -> Request[Any]:
@@ -225,42 +218,15 @@ class Engine(FrameSink):
         return op.request
 
     def _refuse_reentry(self, label: str) -> None:
-        if self._holder == threading.get_ident():  # a signal handler that interrupted a turn
+        if self._loop.holds():  # a signal handler that interrupted a turn
             raise UsageError(
                 f"{label}: waited on from code that interrupted this thread while it "
                 "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
             )
 
-    def _ask_for_loop(self, request: Request[Any] | None, end: float) -> bool:
-        """Count this thread among the drivers, wake the engine thread if it sleeps (it
-        stands aside after its turn), and take the loop; False if that did not happen by
-        ``end`` or ``request`` completed first. ``_give_back_loop`` after, in any case."""
-        me = threading.get_ident()
-        self._drivers.add(me)
-        with self._lock:  # (see _poll: it sleeps only where it saw no driver)
-            sleeping = self._sleeping
-        if sleeping:
-            self.transport.wakeup()
-        if not self._take_owner(request, end):
-            return False
-        self._holder, self._driving = me, True
-        return True
-
-    def _give_back_loop(self, ran: bool = False) -> None:
-        """(``ran``: after a direct run, which starts this thread's grace: ``_in_grace``.)"""
-        if self._owner._is_owned():  # type: ignore[attr-defined]  # (also if interrupted)
-            self._holder, self._driving = 0, False
-            self._owner.release()
-        if ran:  # (before the discard: this thread may look at once)
-            self._ran_at = time.monotonic()
-        self._drivers.discard(threading.get_ident())
-        if not self._drivers and self._has_work():
-            with self._turn:
-                self._turn.notify()  # (else it looks again after its grace: _stand_aside)
-
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
-        peer's early frames), which can wait for this thread's grace (``_ASIDE_GRACE``)."""
+        peer's early frames), which can wait for this thread's grace (``ownership.ASIDE_GRACE``)."""
         session, lane = self.session, self.lane
         return bool(
             self._submitted or session.matching.ops or session.working
@@ -276,13 +242,17 @@ class Engine(FrameSink):
 
     def wake(self) -> None:
         """Nobody may wait on the request (a callback, ``test``, ``wait_any``): if this thread
-        stands aside with no driver (in its grace after one: ``_ASIDE_GRACE``), have it look
-        now. A submit, a lane post and a close do the same; while a waiter holds the loop,
-        nothing does: it moves what there is, and its give-back wakes this thread if work is
-        left (a wake-up per operation cost as much as the operation's Python)."""
-        if self._aside and not self._drivers:
-            with self._turn:
-                self._turn.notify()
+        stands aside with no driver (in its grace after one), have it look now. A submit, a
+        lane post and a close do the same; while a waiter holds the loop, nothing does: it
+        moves what there is, and its give-back wakes this thread if work is left (a wake-up
+        per operation cost as much as the operation's Python)."""
+        self._loop.wake()
+
+    def _asleep(self) -> bool:
+        """Whether this thread blocks in poll (read under the lock ``_poll`` sets it under:
+        it sleeps only where it saw no driver)."""
+        with self._lock:
+            return self._sleeping
 
     def close(self) -> None:
         """Fail what is pending with ClosedError, close every socket, join the thread."""
@@ -300,14 +270,15 @@ class Engine(FrameSink):
                 self._aborting = abort_reason
                 self._submitted.append(None)
         self.transport.wakeup()
-        if not self._turn.acquire(timeout=_TURN_WAIT):  # held by the thread a signal handler
+        turn = self._loop.turn
+        if not turn.acquire(timeout=_TURN_WAIT):  # held by the thread a signal handler
             return  # interrupted to close: joining would wait for it (the thread sees the
             # close within its grace and ends)
         try:
-            self._turn.notify()  # (aside: it stops waiting)
+            turn.notify()  # (aside: it stops waiting)
         finally:
-            self._turn.release()
-        if self._thread is not threading.current_thread() and self._holder != threading.get_ident():
+            turn.release()
+        if self._thread is not threading.current_thread() and not self._loop.holds():
             self._thread.join()  # (not from a signal handler on a thread that holds the loop: the
             # thread waits for it; the interrupted turn stops at the close, and the thread ends)
 
@@ -326,20 +297,6 @@ class Engine(FrameSink):
         return self.session.flow.peak
 
     # ---- a waiting thread, holding the loop ----------------------------------------------
-
-    def _take_owner(self, request: Request[Any] | None, end: float) -> bool:
-        """Take the loop once this thread stands aside, unless ``request`` is done first, or
-        ``end`` comes; False then."""
-        owner = self._owner
-        while not owner.acquire(blocking=False):
-            done = request is not None and request.done()
-            if done or self._closing.is_set() or time.monotonic() >= end:
-                return False
-            os.sched_yield()  # (this thread finishes its turn the sooner)
-        if self._closing.is_set():  # (taken between this thread's last turn and its goodbye)
-            owner.release()
-            return False
-        return True
 
     def _drive(self, request: Request[Any], spin: float, timeout: float | None) -> None:
         """Turns of the loop that never block, yielding the core between them, until
@@ -371,8 +328,9 @@ class Engine(FrameSink):
         self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         posted: float, end: float, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
-        """``run_direct``, holding the loop (first a look at every connection and a tick, if nobody
-        made one for ``_SELF_LOOK``: this thread stays aside meanwhile, ``_ASIDE_GRACE``)."""
+        """``run_direct``, holding the loop (first a look at every connection and a tick, if
+        nobody made one for ``_SELF_LOOK``: this thread stays aside meanwhile:
+        ``ownership.ASIDE_GRACE``)."""
         transport, session = self.transport, self.session
         size = algo.message_bytes
         if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.sources):
@@ -477,7 +435,7 @@ class Engine(FrameSink):
                 view = transport.take_frame(peer, head, size, _TAKE_LOOK)
             looked = False
             while view is None:
-                if self._submitted or len(self._drivers) > 1 or time.monotonic() >= end:
+                if self._submitted or len(self._loop.drivers) > 1 or time.monotonic() >= end:
                     return False  # (another thread's operation, or its wait, must move too)
                 os.sched_yield()
                 view = transport.take_frame(peer, head, size, _TAKE_LOOK)
@@ -502,15 +460,15 @@ class Engine(FrameSink):
         session = self.session
         try:
             while self._turn_owned():
-                if self._drivers:
-                    self._stand_aside()
-            with self._owner:
+                if self._loop.drivers:
+                    self._loop.stand_aside()
+            with self._loop.owner:
                 self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
             self._crash = self._crash or exc  # (first: drivers stop)
-            self._applying = False  # (it may have been cut short)
+            self._sink.applying = False  # (it may have been cut short)
             log.exception("asyncreduce progress thread crashed")
-            with self._owner:
+            with self._loop.owner:
                 with self._lock:  # a submit that checked before this sees it, or is taken below
                     session.fail_all(
                         BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}")
@@ -519,14 +477,14 @@ class Engine(FrameSink):
                 self._close_lane()
                 self._take_submitted()  # fails what was submitted meanwhile (it is broken)
             self._closing.wait()  # new posts fail at once; wait for close()
-            with self._owner:
+            with self._loop.owner:
                 self._take_submitted()
         finally:
             self.transport.close()
 
     def _turn_owned(self) -> bool:
         """One turn of the loop, holding it; False once close() was asked for."""
-        with self._owner:
+        with self._loop.owner:
             if self._crash is not None:  # a driver's bug: fail as for one of this thread
                 crash = self._crash
                 raise RuntimeError(f"a waiting thread's turn of the loop: {crash!r}") from crash
@@ -546,23 +504,6 @@ class Engine(FrameSink):
         self._apply()
         if self.lane is not None and self.lane.busy:
             self._move_lane(self.lane)
-
-    def _stand_aside(self) -> None:
-        """Let the waiters that asked for the loop have it, until the last gives it back (or
-        a close: a driver stops at one). The last wakes this thread only where work is left
-        (``_has_work``): a wake-up per operation cost as much as the operation's Python."""
-        with self._turn:
-            self._aside = True
-            while not self._closing.is_set() and (self._drivers or self._in_grace()):
-                self._turn.wait(_ASIDE_GRACE)
-            self._aside = False
-
-    def _in_grace(self) -> bool:
-        """A direct run gave the loop back within ``_ASIDE_GRACE`` with nothing left to move
-        (a submit, ``wake`` or a give-back with work left notifies this thread; direct runs
-        read and tick for it: ``_SELF_LOOK``). Not after a waiter that drove the loop: its
-        next post is as likely an iallreduce, whose wake-up would then race its next post."""
-        return time.monotonic() - self._ran_at < _ASIDE_GRACE and not self._has_work()
 
     def _move_lane(self, lane: Lane) -> None:
         """Publish and complete what the lane can; now and then fail what must fail."""
@@ -636,7 +577,7 @@ class Engine(FrameSink):
         with self._lock:
             self._sleeping = True  # (a driver reads it after it counted itself: see drive)
             timeout = self.session.liveness.timeout(now) if not self._submitted else 0.0
-            if self._drivers:
+            if self._loop.drivers:
                 timeout = 0.0  # a waiter asks for the loop
             if lane is not None:  # read under the lock: see ``nudge``
                 timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
@@ -649,95 +590,3 @@ class Engine(FrameSink):
         """Read what came in on every connection (but ``unread``'s), without waiting."""
         self.transport.poll(0.0, unread)
         self._looked = time.monotonic()
-
-    def _apply(self, each_alone: bool = False) -> None:
-        """Carry out the session's commands, in order. A send may report itself sent at once,
-        and that event's commands join the same list: they are applied by this same loop. If
-        one raises (a bug), those after it stay for the crash handler, which applies each
-        alone (``each_alone``: a failing one is logged and skipped), so no request is lost."""
-        if self._applying:
-            return
-        self._applying = True
-        commands = self.session.commands
-        i = 0
-        try:
-            while i < len(commands):
-                command = commands[i]
-                i += 1
-                try:
-                    self._carry_out(command)
-                except Exception:
-                    if not each_alone:
-                        raise
-                    log.exception("rank %d could not carry out %r", self.rank, command[:2])
-        finally:
-            del commands[:i]
-            self._applying = False
-
-    def _carry_out(self, command: tuple[object, ...]) -> None:
-        what = command[0]
-        transport = self.transport
-        if what == SEND:
-            _, peer, head, payload, priority, token, age = command
-            transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
-        elif what == FINISH:
-            _, op, value, error = command
-            assert isinstance(op, Operation)
-            if op.request.done():
-                return
-            if error is not None:
-                op.request.set_exception(error)  # type: ignore[arg-type]
-            else:
-                op.request.set_result(value)
-                if op.small and self.settings.spin and not self._driving:
-                    os.sched_yield()  # the waiter runs now, not after another round of the loop
-        elif what == DROP:
-            transport.drop(command[1])
-        elif what == DIVERT:
-            transport.divert(command[1])  # type: ignore[arg-type]
-        elif what == RELEASE:
-            transport.release(command[1])  # type: ignore[arg-type]
-        elif what == WITHDRAW:
-            peer = command[1]
-            taken = transport.withdraw(peer)  # type: ignore[arg-type]
-            kept = [(t, h, p) for h, p, t in taken if isinstance(t, Operation)]
-            self.session.withdrawn(peer, kept)  # type: ignore[arg-type]
-        elif what == BROKE:
-            self._write_flight_record()
-
-    def _write_flight_record(self) -> None:
-        if self.settings.flight_dir:
-            try:
-                where = self.flight.dump(self.settings.flight_dir)
-                log.warning("rank %d broke; its flight record is in %s", self.rank, where)
-            except OSError as exc:
-                log.warning("rank %d could not write its flight record: %s", self.rank, exc)
-
-    # ---- FrameSink: called by the transport on this thread ---------------------------------
-
-    def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
-        target = self.session.buffer_for(peer, header)
-        if self.session.commands:
-            self._apply()
-        return target
-
-    def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
-        taken = self.session.on_view(peer, header, view, time.monotonic())
-        if self.session.commands:
-            self._apply()
-        return taken
-
-    def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
-        self.session.on_frame(peer, header, payload, time.monotonic())
-        if self.session.commands:
-            self._apply()
-
-    def on_sent(self, token: object) -> None:
-        if isinstance(token, Operation):
-            self.session.sent(token, time.monotonic() if token.unsent == 1 else None)
-            if self.session.commands:
-                self._apply()
-
-    def on_peer_lost(self, peer: int, error: BaseException) -> None:
-        self.session.lost(peer, error, self._closing.is_set())
-        self._apply()

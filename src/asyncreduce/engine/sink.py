@@ -1,0 +1,135 @@
+"""Between the protocol and the wire: the transport's events handed to the Session (the
+``FrameSink`` the transport calls on the loop's thread), and the Session's commands carried
+out on the transport and the requests, in order, once the event's call has returned.
+
+A send may report itself sent at once, inside ``transport.send``; that event's commands join
+the same list and are applied by the same loop (``applying`` keeps it from re-entering). If a
+command raises (a bug), those after it stay for the crash handler, which applies each alone,
+logging and skipping one that fails, so no request is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from ..flight import FlightRecorder
+from ..protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
+from ..protocol.operation import Operation, Settings
+from ..protocol.session import Session
+from ..transport.base import FrameSink, Transport
+from ..transport.frame import Header
+
+__all__ = ["Sink"]
+
+log = logging.getLogger("asyncreduce.engine")
+
+
+class Sink(FrameSink):
+    """One engine's events in and commands out (see the module docstring); only the thread
+    that holds the loop calls it."""
+
+    transport: Transport  # set once the transport is made (it is made with this sink)
+
+    def __init__(
+        self, rank: int, session: Session, settings: Settings, flight: FlightRecorder,
+        closing: threading.Event, driving: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        """``closing``: close() was asked for (a lost peer is then no failure); ``driving``:
+        whether a waiter holds the loop (it then runs at once: no yield at a completion)."""
+        self.rank, self.session, self.settings, self.flight = rank, session, settings, flight
+        self._closing, self._driving = closing, driving
+        self.applying = False  # commands are being applied (a send may report itself sent)
+
+    def apply(self, each_alone: bool = False) -> None:
+        """Carry out the session's commands, in order (``each_alone``: the crash handler's
+        way, see the module docstring)."""
+        if self.applying:
+            return
+        self.applying = True
+        commands = self.session.commands
+        i = 0
+        try:
+            while i < len(commands):
+                command = commands[i]
+                i += 1
+                try:
+                    self._carry_out(command)
+                except Exception:
+                    if not each_alone:
+                        raise
+                    log.exception("rank %d could not carry out %r", self.rank, command[:2])
+        finally:
+            del commands[:i]
+            self.applying = False
+
+    def _carry_out(self, command: tuple[object, ...]) -> None:
+        what = command[0]
+        transport = self.transport
+        if what == SEND:
+            _, peer, head, payload, priority, token, age = command
+            transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
+        elif what == FINISH:
+            _, op, value, error = command
+            assert isinstance(op, Operation)
+            if op.request.done():
+                return
+            if error is not None:
+                op.request.set_exception(error)  # type: ignore[arg-type]
+            else:
+                op.request.set_result(value)
+                if op.small and self.settings.spin and not self._driving():
+                    os.sched_yield()  # the waiter runs now, not after another round of the loop
+        elif what == DROP:
+            transport.drop(command[1])
+        elif what == DIVERT:
+            transport.divert(command[1])  # type: ignore[arg-type]
+        elif what == RELEASE:
+            transport.release(command[1])  # type: ignore[arg-type]
+        elif what == WITHDRAW:
+            peer = command[1]
+            taken = transport.withdraw(peer)  # type: ignore[arg-type]
+            kept = [(t, h, p) for h, p, t in taken if isinstance(t, Operation)]
+            self.session.withdrawn(peer, kept)  # type: ignore[arg-type]
+        elif what == BROKE:
+            self._write_flight_record()
+
+    def _write_flight_record(self) -> None:
+        if self.settings.flight_dir:
+            try:
+                where = self.flight.dump(self.settings.flight_dir)
+                log.warning("rank %d broke; its flight record is in %s", self.rank, where)
+            except OSError as exc:
+                log.warning("rank %d could not write its flight record: %s", self.rank, exc)
+
+    # ---- FrameSink: called by the transport on the loop's thread ----------------------------
+
+    def frame_buffer(self, peer: int, header: Header) -> memoryview | None:
+        target = self.session.buffer_for(peer, header)
+        if self.session.commands:
+            self.apply()
+        return target
+
+    def frame_view(self, peer: int, header: Header, view: memoryview) -> bool:
+        taken = self.session.on_view(peer, header, view, time.monotonic())
+        if self.session.commands:
+            self.apply()
+        return taken
+
+    def on_frame(self, peer: int, header: Header, payload: memoryview) -> None:
+        self.session.on_frame(peer, header, payload, time.monotonic())
+        if self.session.commands:
+            self.apply()
+
+    def on_sent(self, token: object) -> None:
+        if isinstance(token, Operation):
+            self.session.sent(token, time.monotonic() if token.unsent == 1 else None)
+            if self.session.commands:
+                self.apply()
+
+    def on_peer_lost(self, peer: int, error: BaseException) -> None:
+        self.session.lost(peer, error, self._closing.is_set())
+        self.apply()

@@ -15,7 +15,7 @@ elsewhere (see request.py).
 Progress in the call. A thread that waits on a small operation runs that same loop itself for a
 while (``drive``, MPI's progress-in-the-call): it asks for the loop, this thread stands aside
 between two turns (or is woken from its sleep to), and the waiter moves bytes until its
-operation completes, or nothing happened for ``_DRIVE_SPIN``. The completion then wakes nobody:
+operation completes, or nothing happened for ``DRIVE_SPIN``. The completion then wakes nobody:
 the waiter is the thread that finishes it. Whoever runs the loop holds its lock (ownership.py),
 so the transport and the protocol still have one thread at a time, and need no lock of their
 own. Only this thread closes: a driver stops at a close, and a bug in a driver's turn is raised
@@ -23,7 +23,7 @@ on this thread, which fails every request as for its own.
 
 A blocking small allreduce or barrier goes further (``run_direct``): holding the loop while the
 engine is quiet (nothing in flight or kept, no beat due, every connection read within
-``_DIRECT_LOOK``), its caller runs the algorithm (recursive doubling, the barrier:
+``DIRECT_LOOK`` (direct.py)), its caller runs the algorithm (recursive doubling, the barrier:
 ``RunsDirectly``) over the partners' connections itself, taking only the frames whose headers
 are exactly the expected ones; anything else hands it to the session where it stands, and the
 loop goes on from there as for any operation. Over a power of two ranks every step is a swap
@@ -45,18 +45,19 @@ from typing import Any
 import numpy as np
 
 from .. import forks
-from ..algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly, Send
-from ..errors import BrokenError, ClosedError, UsageError
+from ..algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly
+from ..errors import BrokenError, ClosedError
 from ..flight import FlightRecorder
 from ..kernels.reduction import quiet_numpy
 from ..lane import Lane, LaneOp
 from ..protocol.failure import broken_by, closed_under
-from ..protocol.operation import Operation, Settings, bytes_of
+from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
-from ..protocol.wire import Key, data_head, describe, payload_bytes
+from ..protocol.wire import Key, describe, payload_bytes
 from ..request import Request
-from ..transport.base import ELSEWHERE, FrameSink, Transport
-from ..transport.frame import MAX_ERROR_BYTES, Descriptor, with_step
+from ..transport.base import FrameSink, Transport
+from ..transport.frame import MAX_ERROR_BYTES, Descriptor
+from .direct import DRIVE_SPIN, DirectRun
 from .ownership import Ownership
 from .sink import Sink
 
@@ -72,15 +73,7 @@ _LANE_NAP = 1e-3  # its longest sleep while the lane has work
 _LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thread (a waiter,
 # test() or a callback does, see Request), so an operation nobody looks at waits this long
 _LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
-_DRIVE_SPIN = 2e-3  # how long a waiter drives the loop after the last event it saw
-_DIRECT_LOOK = 20e-3  # a direct run only this soon after the loop last read every connection,
-# so a frame from a rank that is no partner (an abort, a question, an early frame) waits at
-# most about this long while a thread runs small allreduces (or barriers) back to back
-_SELF_LOOK = 5e-3  # a direct run reads every connection and ticks first if nobody did as late
 _TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
-_NOTHING = memoryview(b"")  # the payload of a swap of empty messages (a barrier's)
-_TAKE_LOOK = 50e-6  # how long one look for a partner's frame may spin without the GIL (in C),
-# so another thread's post or wait is noticed within it
 
 
 class Engine:
@@ -103,12 +96,11 @@ class Engine:
         self._closing = threading.Event()  # close() or abort() was called
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
         self._dozing = False  # and for longer than the lane's nap: a lane post must (nudge)
-        self._crash: BaseException | None = None  # a bug in the loop: nobody drives it since
+        self.crash: BaseException | None = None  # a bug in the loop: nobody drives it since
         self._generation = forks.generation()  # a forked child must not run the loop
         self.driven = 0  # operations a waiter completed driving the loop (diagnostics, tests)
-        self.direct = 0  # operations run to the end on their caller's thread (run_direct)
-        self._looked = 0.0  # when the loop last read every connection (a direct run's look
-        # leaves out the streams the run reads: see _DIRECT_LOOK)
+        self.looked = 0.0  # when the loop last read every connection (a direct run's look
+        # leaves out the streams the run reads: see direct.DIRECT_LOOK)
         self.flight = FlightRecorder(rank, world_size, settings.flight_records, describe)
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self._loop = Ownership(self._closing, self._asleep, lambda: self.transport.wakeup(),
@@ -117,6 +109,7 @@ class Engine:
                           lambda: self._loop.driving)  # fmt: skip
         self._apply = self._sink.apply
         self.transport = self._sink.transport = make_transport(self._sink)
+        self._direct = DirectRun(self, self._loop, self._submitted, settings)
         self.lane: Lane | None = None  # the same-host lane, once the communicator opened it
         self._lane_watched = 0.0
         self._thread = threading.Thread(
@@ -168,13 +161,13 @@ class Engine:
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Run the loop on the waiting thread until ``request`` is done, for as long as
-        something happens (``_DRIVE_SPIN``, at most ``timeout``): ask for the loop, wake this
+        something happens (``DRIVE_SPIN``, at most ``timeout``): ask for the loop, wake this
         thread if it sleeps (it stands aside after its turn), and take it. A waiter that
         cannot have it soon (another drives, a long unit of work) waits as before."""
-        if self._closing.is_set() or self._crash is not None or self._forked():
+        if self._closing.is_set() or self.crash is not None or self._forked():
             return
-        self._refuse_reentry(request.label)
-        spin = _DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout)
+        self._loop.refuse_reentry(request.label)
+        spin = DRIVE_SPIN if timeout is None else min(DRIVE_SPIN, timeout)
         try:
             if self._loop.ask(request, time.monotonic() + spin):
                 quiet_numpy(self._drive, request, spin, timeout)
@@ -185,44 +178,14 @@ class Engine:
         self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
         timeout: float | None, adopt: Callable[[], Operation],
     ) -> Request[Any] | None:  # fmt: skip
-        """A small allreduce (or a barrier: ``RunsDirectly``) whose caller waits for it at
-        once, run on the caller's thread to the end where the engine has nothing else to do
-        (progress in the call, all of it):
-        each frame straight into its socket and each peer's straight out of the stream into
-        the fold; no request, no session event, nobody woken. None: done, the result is in
-        place. Anything else makes it an ordinary operation, ``adopt()``, whose request is
-        returned to wait on: work in the engine (it is posted behind it, as any other), no
-        look at every connection for ``_DIRECT_LOOK``, a partner's stream that holds something
-        else first (another operation's frame, a beat, a goodbye, a frame that disagrees: the
-        loop reads and judges it; this one is taken over where it stands), a frame that did not
-        leave whole, a partner not there within ``_DRIVE_SPIN`` (the loop watches it from then
-        on, its deadline counted from the take-over), a close, another thread's post or wait."""
-        settings = self.settings
-        if not (settings.direct and settings.spin) or self._closing.is_set() or (
-            self._crash is not None or forks.generation() != self._generation
-        ):
-            return self._posted(adopt())
-        posted = time.monotonic()
-        end = posted + (_DRIVE_SPIN if timeout is None else min(_DRIVE_SPIN, timeout))
-        if self._loop.holds():
-            self._refuse_reentry(label)
-        try:
-            if self._loop.ask(None, end):
-                return self._run_held(key, label, desc, algo, priority, posted, end, adopt)
-        finally:
-            self._loop.give_back(ran=True)
-        return self._posted(adopt())
+        """``DirectRun.run`` (direct.py): None once it ran to the end on this thread, else the
+        request of the ordinary operation ``adopt()`` made of it."""
+        return self._direct.run(key, label, desc, algo, priority, timeout, adopt)
 
-    def _posted(self, op: Operation) -> Request[Any]:
+    def post(self, op: Operation) -> Request[Any]:
+        """Submit ``op``; its request (a direct run's, left to the loop)."""
         self.submit(op)
         return op.request
-
-    def _refuse_reentry(self, label: str) -> None:
-        if self._loop.holds():  # a signal handler that interrupted a turn
-            raise UsageError(
-                f"{label}: waited on from code that interrupted this thread while it "
-                "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
-            )
 
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
@@ -232,6 +195,10 @@ class Engine:
             self._submitted or session.matching.ops or session.working
             or (lane is not None and lane.busy) or self._closing.is_set()
         )  # fmt: skip
+
+    def usable(self) -> bool:
+        """Neither closing, nor crashed, nor a forked child's copy (a direct run's check)."""
+        return not (self._closing.is_set() or self.crash is not None or self._forked())
 
     def _forked(self) -> bool:
         return forks.generation() != self._generation
@@ -283,6 +250,11 @@ class Engine:
             # thread waits for it; the interrupted turn stops at the close, and the thread ends)
 
     @property
+    def direct(self) -> int:
+        """Operations run to the end on their caller's thread (``run_direct``)."""
+        return self._direct.count
+
+    @property
     def broken(self) -> BaseException | None:
         return self.session.broken
 
@@ -306,13 +278,13 @@ class Engine:
         now = time.monotonic()
         end, last = now + spin, (now + timeout if timeout is not None else math.inf)
         seen = session.spin_until
-        while not (self._closing.is_set() or self._crash is not None):
+        while not (self._closing.is_set() or self.crash is not None):
             try:
                 self._take_submitted(driving=True)
                 self._look()
                 self._turn_rest()
             except BaseException as exc:  # a bug: the engine thread fails everything
-                self._crashed(exc)
+                self.crashed(exc)
                 return
             if request.done():
                 self.driven += 1
@@ -324,54 +296,23 @@ class Engine:
                 return
             os.sched_yield()
 
-    def _run_held(
-        self, key: Key, label: str, desc: Descriptor, algo: RunsDirectly, priority: int,
-        posted: float, end: float, adopt: Callable[[], Operation],
-    ) -> Request[Any] | None:  # fmt: skip
-        """``run_direct``, holding the loop (first a look at every connection and a tick, if
-        nobody made one for ``_SELF_LOOK``: this thread stays aside meanwhile:
-        ``ownership.ASIDE_GRACE``)."""
-        transport, session = self.transport, self.session
-        size = algo.message_bytes
-        if posted - self._looked >= _SELF_LOOK and not self._turn_here(algo.sources):
-            return self._failed_here(adopt())
-        quiet = not self._submitted and posted - self._looked < _DIRECT_LOOK
-        quiet = quiet and session.quiet(key, posted)
-        for peer in algo.partners:
-            quiet = quiet and transport.quiet(peer, size)
-        if not quiet:
-            return self._posted(adopt())  # (the loop takes it, behind what is there)
-        heard: list[int] = []
-        try:
-            done = self._exchange(key, desc, algo, priority, end, heard)
-            now = time.monotonic()
-            session.heard_from(heard, now)
-            if not done or session.broken is not None:  # (broken: a send found a peer gone)
-                return self._taken_over(adopt())
-            session.ran(key, label, desc, priority, posted, now)
-        except BaseException as exc:  # a bug: fail it; the engine thread fails the rest
-            self._crashed(exc)
-            return self._failed_here(adopt())
-        self.direct += 1
-        return None
-
-    def _turn_here(self, sources: Collection[int]) -> bool:
+    def turn_here(self, sources: Collection[int]) -> bool:
         """A turn of the loop that never blocks, on a direct run's thread, that leaves the
         streams the run reads to it (``sources``: a look there would take what a faster
         partner sent for it, and the run would then go through the session; the run reads
         them with ``take_frame``, which hands anything else to the reader); False after a bug
-        (``_crash``: the engine thread fails everything)."""
+        (``crash``: the engine thread fails everything)."""
         try:
             quiet_numpy(self._look_and_tick, sources)
         except BaseException as exc:
-            self._crashed(exc)
+            self.crashed(exc)
             return False
         return True
 
-    def _crashed(self, exc: BaseException) -> None:
+    def crashed(self, exc: BaseException) -> None:
         """A bug in a turn on a waiting thread: the engine thread fails everything; a
         KeyboardInterrupt or the like goes on up."""
-        self._crash = exc
+        self.crash = exc
         if not isinstance(exc, Exception):
             raise exc
 
@@ -379,74 +320,9 @@ class Engine:
         self._look(sources)
         self._turn_rest()
 
-    def _failed_here(self, op: Operation) -> Request[Any]:
-        """``op``'s request, failed by a bug of the loop on this thread."""
-        op.request.set_exception(BrokenError(f"{op.label}: rank {self.rank}: {self._crash!r}"))
-        return op.request
-
-    def _exchange(
-        self, key: Key, desc: Descriptor, algo: RunsDirectly, priority: int, end: float,
-        heard: list[int],
-    ) -> bool:  # fmt: skip
-        """Send what ``algo`` sends, take what it awaits off its partner's stream, until it is
-        done (True), or until something else must happen first (False): another thread's
-        post, wait or close, a frame that did not leave whole (the loop writes the rest), a
-        stream that holds something else, ``end``. Its ``swaps`` first, all in one call into
-        the transport (in C: send, look, combine, step after step), without a step of the
-        algorithm between them."""
-        swaps = algo.swaps
-        if swaps is None:
-            return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, algo.start())
-        combining = algo.combining
-        into = _NOTHING if combining is None else combining.into  # (None: empty messages)
-        head = data_head(key, swaps[0].step, 0, into.nbytes, desc)
-        done, view = self.transport.swaps(swaps, head, into, priority, _TAKE_LOOK, combining)
-        if done < len(swaps):
-            heard += [peer for peer, _, _ in swaps[:done]]
-            sends = algo.swapped(done)  # (the next step's message left)
-            head = with_step(head, swaps[done].step)
-            return quiet_numpy(self._steps, key, desc, algo, priority, end, heard, sends,
-                               view, head)  # fmt: skip
-        heard += algo.partners  # (each the partner of a swap)
-        algo.swapped(done)
-        return True
-
-    def _steps(
-        self, key: Key, desc: Descriptor, algo: RunsDirectly, priority: int, end: float,
-        heard: list[int], sends: list[Send], view: memoryview | None = None, head: bytes = b"",
-    ) -> bool:  # fmt: skip
-        """``_exchange`` message by message, from ``sends``; ``head`` and ``view``: the awaited
-        message's header and what a swap found of it (as ``take_frame``), if one looked."""
-        transport, size = self.transport, algo.message_bytes
-        heads: dict[int, bytes] = {}  # by step: what a partner sends is what this rank sends
-        looked = bool(head)
-        while True:
-            for s in sends:
-                payload = bytes_of(s.payload)
-                head = heads[s.step] = data_head(key, s.step, s.seg, payload.nbytes, desc)
-                if not transport.send_now(s.dst, head, payload, priority):
-                    return False
-            awaited = algo.awaited
-            if awaited is None:
-                return True
-            peer, step = awaited
-            if not looked:
-                head = heads.get(step) or data_head(key, step, 0, size, desc)
-                view = transport.take_frame(peer, head, size, _TAKE_LOOK)
-            looked = False
-            while view is None:
-                if self._submitted or len(self._loop.drivers) > 1 or time.monotonic() >= end:
-                    return False  # (another thread's operation, or its wait, must move too)
-                os.sched_yield()
-                view = transport.take_frame(peer, head, size, _TAKE_LOOK)
-            if view is ELSEWHERE:
-                return False
-            heard.append(peer)
-            sends = algo.on_view(peer, step, 0, view)
-
-    def _taken_over(self, op: Operation) -> Request[Any]:
+    def take_over(self, op: Operation) -> Request[Any]:
         """A direct run the loop takes over where it stands (what it sent stays sent: snapshots
-        of the buffer); its deadline counts from here, at most ``_DRIVE_SPIN`` after its post."""
+        of the buffer); its deadline counts from here, at most ``DRIVE_SPIN`` after its post."""
         op.posted_at = time.time()
         op.request.mover = self
         self.session.post(op, time.monotonic(), started=True)
@@ -465,7 +341,7 @@ class Engine:
             with self._loop.owner:
                 self._say_goodbye(_ABORT_LINGER if self._aborting is not None else _LINGER)
         except BaseException as exc:  # a bug: fail loudly, never hang the callers
-            self._crash = self._crash or exc  # (first: drivers stop)
+            self.crash = self.crash or exc  # (first: drivers stop)
             self._sink.applying = False  # (it may have been cut short)
             log.exception("asyncreduce progress thread crashed")
             with self._loop.owner:
@@ -485,8 +361,8 @@ class Engine:
     def _turn_owned(self) -> bool:
         """One turn of the loop, holding it; False once close() was asked for."""
         with self._loop.owner:
-            if self._crash is not None:  # a driver's bug: fail as for one of this thread
-                crash = self._crash
+            if self.crash is not None:  # a driver's bug: fail as for one of this thread
+                crash = self.crash
                 raise RuntimeError(f"a waiting thread's turn of the loop: {crash!r}") from crash
             if not self._take_submitted():
                 return False
@@ -583,10 +459,10 @@ class Engine:
                 timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
             self._dozing = timeout > _LANE_NAP
         self.transport.poll(timeout)
-        self._looked = time.monotonic()
+        self.looked = time.monotonic()
         self._sleeping = self._dozing = False
 
     def _look(self, unread: Collection[int] = ()) -> None:
         """Read what came in on every connection (but ``unread``'s), without waiting."""
         self.transport.poll(0.0, unread)
-        self._looked = time.monotonic()
+        self.looked = time.monotonic()

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import UsageError
 from ..request import Request
 
 __all__ = ["ASIDE_GRACE", "Ownership"]
@@ -58,6 +59,15 @@ class Ownership:
         """Whether this thread is the driver that holds the loop (a signal handler that
         interrupted its turn, if it asks)."""
         return self.holder == threading.get_ident()
+
+    def refuse_reentry(self, label: str) -> None:
+        """UsageError if this thread holds the loop: code that interrupted its turn (a signal
+        handler) waits on an operation, which only the interrupted turn could move."""
+        if self.holds():
+            raise UsageError(
+                f"{label}: waited on from code that interrupted this thread while it "
+                "moved the communicator (a signal handler?): wait elsewhere, or set a flag there"
+            )
 
     def ask(self, request: Request[Any] | None, end: float) -> bool:
         """Count this thread among the drivers, wake the engine thread if it sleeps, and take

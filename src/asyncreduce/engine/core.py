@@ -49,8 +49,7 @@ from ..algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly
 from ..errors import BrokenError, ClosedError
 from ..flight import FlightRecorder
 from ..kernels.reduction import quiet_numpy
-from ..lane import Lane, LaneOp
-from ..protocol.failure import broken_by, closed_under
+from ..lane import Lane
 from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
 from ..protocol.wire import Key, describe, payload_bytes
@@ -58,6 +57,7 @@ from ..request import Request
 from ..transport.base import FrameSink, Transport
 from ..transport.frame import MAX_ERROR_BYTES, Descriptor
 from .direct import DRIVE_SPIN, DirectRun
+from .lanes import LANE_NAP, LaneMover
 from .ownership import Ownership
 from .sink import Sink
 
@@ -68,11 +68,6 @@ log = logging.getLogger("asyncreduce.engine")
 THREAD_PREFIX = "asyncreduce-engine-"  # + the rank: the progress thread's name
 _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
-_LANE_SPIN = 250e-6  # how long this thread polls the lane after it last moved, if nobody waits
-_LANE_NAP = 1e-3  # its longest sleep while the lane has work
-_LANE_DOZE = 10e-3  # and while it has none: a lane post does not wake this thread (a waiter,
-# test() or a callback does, see Request), so an operation nobody looks at waits this long
-_LANE_WATCH = 5e-3  # how often it looks for the lane's deadlines and silent peers
 _TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
 
 
@@ -110,8 +105,8 @@ class Engine:
         self._apply = self._sink.apply
         self.transport = self._sink.transport = make_transport(self._sink)
         self._direct = DirectRun(self, self._loop, self._submitted, settings)
+        self._lanes = LaneMover(self.session, self._apply)
         self.lane: Lane | None = None  # the same-host lane, once the communicator opened it
-        self._lane_watched = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"{THREAD_PREFIX}{rank}", daemon=True
         )
@@ -350,7 +345,7 @@ class Engine:
                         BrokenError(f"rank {self.rank}: progress thread crashed: {exc!r}")
                     )
                 self._apply(each_alone=True)
-                self._close_lane()
+                self._lanes.close(self.lane)
                 self._take_submitted()  # fails what was submitted meanwhile (it is broken)
             self._closing.wait()  # new posts fail at once; wait for close()
             with self._loop.owner:
@@ -379,28 +374,7 @@ class Engine:
         session.tick(time.monotonic())
         self._apply()
         if self.lane is not None and self.lane.busy:
-            self._move_lane(self.lane)
-
-    def _move_lane(self, lane: Lane) -> None:
-        """Publish and complete what the lane can; now and then fail what must fail."""
-        lane.progress()
-        now = time.monotonic()
-        if now - self._lane_watched >= _LANE_WATCH or self.session.broken is not None:
-            self._lane_watched = now
-            session = self.session
-            lane.watch(session, now, session.liveness.silent(now))
-            self._apply()
-
-    def _close_lane(self) -> None:
-        """Fail the lane's pending operations as the session failed its own."""
-        if self.lane is None:
-            return
-        broken = self.session.broken
-
-        def error(op: LaneOp) -> BaseException:
-            return closed_under(op) if broken is None else broken_by(op, broken)
-
-        self.lane.close(error)
+            self._lanes.move(self.lane)
 
     def _say_goodbye(self, linger: float) -> None:
         """Closing handshake: GOODBYE to all, then read until every peer has closed too."""
@@ -423,7 +397,7 @@ class Engine:
                     late = [op for op in self._submitted if op is not None]
                     self._submitted.clear()
                 self.session.close(self._aborting, late)
-                self._close_lane()
+                self._lanes.close(self.lane)
                 self._apply()
                 return False
             self.session.post(op, time.monotonic())
@@ -444,9 +418,7 @@ class Engine:
             return
         now = time.monotonic()
         lane = self.lane
-        if now < self.session.spin_until or (  # the lane moved lately, and nobody waits on it
-            lane is not None and lane.busy and not lane.drivers and now - lane.moved_at < _LANE_SPIN
-        ):
+        if now < self.session.spin_until or LaneMover.spins(lane, now):
             self._look()
             os.sched_yield()
             return
@@ -456,8 +428,8 @@ class Engine:
             if self._loop.drivers:
                 timeout = 0.0  # a waiter asks for the loop
             if lane is not None:  # read under the lock: see ``nudge``
-                timeout = min(timeout, _LANE_NAP if lane.busy else _LANE_DOZE)
-            self._dozing = timeout > _LANE_NAP
+                timeout = min(timeout, LaneMover.nap(lane))
+            self._dozing = timeout > LANE_NAP
         self.transport.poll(timeout)
         self.looked = time.monotonic()
         self._sleeping = self._dozing = False

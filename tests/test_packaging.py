@@ -80,7 +80,7 @@ def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_pat
                     str(tmp_path / "site"), str(wheel)], check=True, timeout=300)  # fmt: skip
     assert not list((tmp_path / "site" / "asyncreduce").glob("_*_core*.so"))
     probe = (
-        "import numpy as np, asyncreduce.samehost.mailbox as m, asyncreduce.transport.tcp as t\n"
+        "import numpy as np, asyncreduce.samehost.mailbox as m, asyncreduce.transport.pairs as t\n"
         "assert m.Core is None and not m.native_wanted(), m.__file__\n"
         "assert t.native_take is None and not t.native_take_wanted()\n"
         "r = [np.zeros(m.region_bytes(), np.uint8) for _ in range(2)]\n"

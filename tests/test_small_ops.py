@@ -516,8 +516,8 @@ _WITHOUT_C = textwrap.dedent(
     sys.modules["asyncreduce._mailbox_core"] = None
     import numpy as np
     import asyncreduce as ar
-    from asyncreduce.transport import tcp
-    assert tcp.native_swaps is None and tcp.native_take is None
+    from asyncreduce.transport import pairs
+    assert pairs.native_swaps is None and pairs.native_take is None
     comm = ar.init()
     n = comm.world_size
     for i in range(150):

@@ -39,7 +39,8 @@ from asyncreduce.transport.frame import (
     parse_header,
     with_step,
 )
-from asyncreduce.transport.tcp import TcpTransport, native_take
+from asyncreduce.transport.pairs import native_take
+from asyncreduce.transport.tcp import TcpTransport
 
 try:
     from asyncreduce._stream_core import COMBINED as COMBINED_HERE
@@ -409,7 +410,7 @@ def tcp_pair(native: bool = True) -> tuple[TcpTransport, Sink, TcpTransport, Sin
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sa, sb = Sink(), Sink()
     ta, tb = TcpTransport(0, {1: a}, sa), TcpTransport(1, {0: b}, sb)
-    ta._native_take = tb._native_take = native
+    ta._pairs.native = tb._pairs.native = native
     return ta, sa, tb, sb
 
 

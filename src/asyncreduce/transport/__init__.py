@@ -8,7 +8,11 @@ and the ``FrameSink`` it reports to). Under it:
     listener.py  the authenticated accept loop shared by the mesh and the rendezvous store
     tcp.py       TcpTransport: sending (priority heap, batching), receiving, closing handshake
     connection.py  what TcpTransport keeps per connection (queued frames, the stream in)
-    shm.py       the shared-memory arenas that carry large payloads between same-host ranks
+    arena.py     large payloads to same-host ranks through their shared-memory arenas (the
+                 arenas themselves: samehost/shm.py), CREDIT returning the space
+    pairs.py     the quiet-pair mode a direct run uses: a frame straight into an idle
+                 connection, the partner's straight off the stream (in C where it was built)
+    owner.py     whose process is at the other end of a same-host connection
 
 Nothing here knows operations or algorithms; the engine owns those.
 """

@@ -29,7 +29,8 @@ from collections import deque
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from ..samehost.shm import SHM_MIN_BYTES, Arena, copy_bytes
+from ..samehost.shm import SHM_MIN_BYTES, Arena
+from .arena import credited, from_arena, to_arena
 from .base import FrameSink, Transport
 from .connection import Connection, Outgoing
 from .frame import (
@@ -41,7 +42,6 @@ from .frame import (
     FrameError,
     Header,
     pack_header,
-    with_flags,
 )
 from .listener import WakeUp
 from .pairs import NOT_HERE, QuietPairs, native_take_wanted
@@ -192,25 +192,13 @@ class TcpTransport(Transport):
         """Move the most urgent frames into flight: one large frame, or many small ones."""
         total = 0
         while peer.queue and len(peer.inflight) < _BATCH_FRAMES:
-            if not self._to_arena(peer, peer.queue[0]):
+            if not to_arena(peer, peer.queue[0]):
                 return  # the arena is full: wait for the reader's CREDIT
             if peer.inflight and total + peer.queue[0].size > _BATCH_BYTES:
                 return
             out = heapq.heappop(peer.queue)
             peer.inflight.append(out)
             total += out.size
-
-    def _to_arena(self, peer: Connection, out: Outgoing) -> bool:
-        """Move a large payload for a same-host peer into its arena; False if no room yet."""
-        arena = peer.arena_out
-        size = out.payload.nbytes
-        if arena is None or size < SHM_MIN_BYTES or not arena.fits(size) or out.sent:
-            return True
-        if not arena.write(out.payload):
-            return False
-        out.head = with_flags(out.head, FLAG_SHM)
-        out.payload = memoryview(b"")
-        return True
 
     def _advance(self, peer: Connection, n: int) -> None:
         while n:
@@ -363,44 +351,15 @@ class TcpTransport(Transport):
         while (header := reader.next_header()) is not None:
             if header.type == CREDIT:
                 reader.skip()
-                self._on_credit(peer, header.instance)
+                credited(peer, header.instance)
+                if not peer.inflight:
+                    self._flush(peer)
             elif header.flags & FLAG_SHM:
-                self._from_arena(peer, header)
+                credit = from_arena(peer, header, self.sink)
+                if credit is not None:
+                    self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)
             else:
                 self._start_payload(peer, header)
-
-    def _on_credit(self, peer: Connection, position: int) -> None:
-        if peer.arena_out is None:
-            raise FrameError(f"rank {peer.rank} returned arena space it was never given")
-        try:
-            peer.arena_out.credit(position)
-        except ValueError as exc:
-            raise FrameError(f"rank {peer.rank}: {exc}") from None
-        if not peer.inflight:
-            self._flush(peer)
-
-    def _from_arena(self, peer: Connection, header: Header) -> None:
-        """A payload in the peer's arena: reduce straight from it, or copy it out; then credit."""
-        arena = peer.arena_in
-        if arena is None or header.type != DATA or not arena.fits(header.payload_len):
-            raise FrameError(f"rank {peer.rank} sent a shared-memory frame this rank cannot read")
-        view = arena.read(header.payload_len)
-        if self.sink.frame_view(peer.rank, header, view):
-            peer.reader.skip()
-        else:
-            dest = self.sink.frame_buffer(peer.rank, header) or memoryview(bytearray(len(view)))
-            if len(dest) != len(view):
-                raise FrameError(
-                    f"rank {peer.rank} sent {len(view)} bytes where {len(dest)} were expected"
-                )
-            copy_bytes(dest, view)
-            peer.reader.skip()  # nothing of it was on the wire
-            self.sink.on_frame(peer.rank, header, dest)
-        view.release()
-        if arena.credit_due():  # credit in batches
-            arena.credited = arena.position
-            credit = pack_header(CREDIT, b"", arena.position, 0, 0, 0, Descriptor(0, 0, 0, 0, 0))
-            self.send(peer.rank, credit, memoryview(b""), 1 << 62, None)
 
     def _start_payload(self, peer: Connection, header: Header) -> None:
         reader, size = peer.reader, header.payload_len

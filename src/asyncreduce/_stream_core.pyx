@@ -200,7 +200,7 @@ def swap(int fd, const unsigned char[::1] head, const unsigned char[::1] payload
 
 cdef enum:
     _MAX_SWAPS = 32  # steps of one ``swaps`` call (a world of 2**32 ranks)
-    _MAX_HEAD = 48 + 1024  # a header and the longest name (frame.py; tcp.py checks)
+    _MAX_HEAD = 48 + 1024  # a header and the longest name (frame.py; pairs.py checks)
 
 MAX_HEAD = _MAX_HEAD  # the longest header and name ``swaps`` takes
 

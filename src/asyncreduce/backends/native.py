@@ -5,7 +5,7 @@ numbering (``build``: doubling, ring, tree, ...; a direct exchange comes built),
 caller's memory. A large allreduce on one host reads the peers' memory in place instead, from a
 shared window or by cross-memory attach (samehost/planes.py); the descriptor's ``root`` says
 which, so every rank runs the same one. A group's algorithm is wrapped (``Translated``) so the
-engine sees the ranks it knows. The ``Operation`` then goes to the engine's thread (engine.py),
+engine sees the ranks it knows. The ``Operation`` then goes to the engine's thread (engine/),
 which matches it with the peers' by key and completes the request. In a world of one there is
 no engine: ``LocalBackend`` runs the same algorithm at once, in the caller's thread.
 """

@@ -1,5 +1,5 @@
 """The two records a fold step is described by, shared by the algorithms that make them and
-the transport that runs them (a direct run's swaps, transport/tcp.py): below both, so the
+the transport that runs them (a direct run's swaps, transport/pairs.py): below both, so the
 transport needs nothing of algorithms/."""
 
 from __future__ import annotations

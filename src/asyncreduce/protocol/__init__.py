@@ -1,7 +1,7 @@
 """The protocol above the algorithms, sans-IO: no socket, no thread, no clock.
 
 ``Session`` (session.py) takes events and returns commands (commands.py); the engine thread
-(engine.py, one level up) feeds it and carries the commands out. wire.py maps the typed control
+(engine/, one level up) feeds it and carries the commands out. wire.py maps the typed control
 messages onto frame fields; matching.py, flow.py, liveness.py and stall.py hold one concept each.
 """
 

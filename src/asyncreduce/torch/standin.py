@@ -43,6 +43,8 @@ class HostDevice:
         self.gate: threading.Event | None = None
         self.log: list[tuple[str, str]] = []  # (call, thread name)
         self._hosts: set[int] = set()  # data_ptr of every host buffer made
+        self._made: list[torch.Tensor] = []  # and the buffers, kept for this device's life:
+        # ``is_host`` goes by address, which a freed buffer would hand to a later tensor
         self._lock = threading.Lock()
 
     def _note(self, what: str) -> None:
@@ -88,6 +90,7 @@ class HostDevice:
         host.fill_(float("nan") if dtype.is_floating_point else -1)  # nothing copied yet
         with self._lock:
             self._hosts.add(host.untyped_storage().data_ptr())
+            self._made.append(host)
         return host
 
     def to_host(self, host: torch.Tensor, source: torch.Tensor, stream: Any) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ..flight import FlightRecorder
-from ..protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
+from ..protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW, Command
 from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
 from ..transport.base import FrameSink, Transport
@@ -66,35 +66,33 @@ class Sink(FrameSink):
             del commands[:i]
             self.applying = False
 
-    def _carry_out(self, command: tuple[object, ...]) -> None:
-        what = command[0]
+    def _carry_out(self, command: Command) -> None:
         transport = self.transport
-        if what == SEND:
+        if command[0] == SEND:
             _, peer, head, payload, priority, token, age = command
-            transport.send(peer, head, payload, priority, token, age)  # type: ignore[arg-type]
-        elif what == FINISH:
+            transport.send(peer, head, payload, priority, token, age)
+        elif command[0] == FINISH:
             _, op, value, error = command
-            assert isinstance(op, Operation)
             if op.request.done():
                 return
             if error is not None:
-                op.request.set_exception(error)  # type: ignore[arg-type]
+                op.request.set_exception(error)
             else:
                 op.request.set_result(value)
                 if op.small and self.settings.spin and not self._driving():
                     os.sched_yield()  # the waiter runs now, not after another round of the loop
-        elif what == DROP:
+        elif command[0] == DROP:
             transport.drop(command[1])
-        elif what == DIVERT:
-            transport.divert(command[1])  # type: ignore[arg-type]
-        elif what == RELEASE:
-            transport.release(command[1])  # type: ignore[arg-type]
-        elif what == WITHDRAW:
+        elif command[0] == DIVERT:
+            transport.divert(command[1])
+        elif command[0] == RELEASE:
+            transport.release(command[1])
+        elif command[0] == WITHDRAW:
             peer = command[1]
-            taken = transport.withdraw(peer)  # type: ignore[arg-type]
+            taken = transport.withdraw(peer)
             kept = [(t, h, p) for h, p, t in taken if isinstance(t, Operation)]
-            self.session.withdrawn(peer, kept)  # type: ignore[arg-type]
-        elif what == BROKE:
+            self.session.withdrawn(peer, kept)
+        elif command[0] == BROKE:
             self._write_flight_record()
 
     def _write_flight_record(self) -> None:

@@ -16,11 +16,29 @@ frame:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+if TYPE_CHECKING:
+    from .operation import Operation
 
 __all__ = ["SEND", "DROP", "DIVERT", "WITHDRAW", "RELEASE", "FINISH", "BROKE", "Command"]
 
-SEND, DROP, DIVERT, WITHDRAW, RELEASE, FINISH, BROKE = range(7)
+SEND: Final = 0
+DROP: Final = 1
+DIVERT: Final = 2
+WITHDRAW: Final = 3
+RELEASE: Final = 4
+FINISH: Final = 5
+BROKE: Final = 6
 CONTROL_PRIORITY = 1 << 30  # control frames overtake every operation's data
 
-Command = tuple[Any, ...]
+# Each command's type, so the engine unpacks it checked (``command[0] == SEND`` narrows the
+# union); at run time they are the plain tuples above.
+Send = tuple[Literal[0], int, bytes, memoryview, int, "Operation | None", int]
+Drop = tuple[Literal[1], "Operation"]
+Divert = tuple[Literal[2], int]
+Withdraw = tuple[Literal[3], int]
+Release = tuple[Literal[4], int]
+Finish = tuple[Literal[5], "Operation", Any, "BaseException | None"]
+Broke = tuple[Literal[6], BaseException]
+Command = Send | Drop | Divert | Withdraw | Release | Finish | Broke

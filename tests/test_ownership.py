@@ -194,3 +194,16 @@ def test_giving_back_releases_only_the_callers_own_hold(interrupted: bool) -> No
     assert own.owner._is_owned()  # type: ignore[attr-defined]  # still this thread's
     own.give_back()
     assert not own.owner._is_owned() and not own.drivers  # type: ignore[attr-defined]
+
+
+def test_a_waiters_spin_window_restarts_at_each_progress_within_its_timeout() -> None:
+    """The window the engine's drive and the lane's drive share (spin.py)."""
+    from asyncreduce.spin import SpinWindow
+
+    window = SpinWindow(2e-3, None, 10.0)
+    assert not window.over(10.0019) and window.over(10.002)
+    window.moved(10.0015)  # an operation completed: another spin from here
+    assert not window.over(10.0034) and window.over(10.0035)
+    bounded = SpinWindow(2e-3, 3e-3, 10.0)
+    bounded.moved(10.0025)
+    assert bounded.end == 10.003 and bounded.over(10.003)  # never past the timeout

@@ -39,7 +39,6 @@ Its operations have no flight record and are not asked about as stalls.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 import time
@@ -67,6 +66,7 @@ from .samehost.mailbox import (
     header,
     supported,
 )
+from .spin import SpinWindow
 from .transport.frame import Descriptor
 
 __all__ = ["Lane", "LaneOp", "lane_wanted"]
@@ -238,8 +238,7 @@ class Lane:
         if request.done():
             return
         spin = _WAITER_SPIN if timeout is None else min(_WAITER_SPIN, timeout)
-        now = time.monotonic()
-        end, last = now + spin, (now + timeout if timeout is not None else math.inf)
+        window = SpinWindow(spin, timeout, time.monotonic())
         seen = awaited  # the operation the lane waited for at the last look that got the lock
         counted = False  # (set with the count: an exception cannot land between them)
         try:
@@ -247,7 +246,7 @@ class Lane:
                 self.drivers += 1
                 counted = True
             while True:
-                if awaited < 0 or not self.mailbox.wait(awaited, end - time.monotonic()):
+                if awaited < 0 or not self.mailbox.wait(awaited, window.end - time.monotonic()):
                     os.sched_yield()
                 moved = self._look()  # (-1 where another thread held the lane: no news)
                 if request.done():
@@ -255,10 +254,10 @@ class Lane:
                 now = time.monotonic()
                 if moved >= 0:
                     if seen >= 0 and moved != seen:  # an earlier one completed: drive on
-                        end = min(now + spin, last)
+                        window.moved(now)
                     seen = moved
                 awaited = moved
-                if now >= end:
+                if window.over(now):
                     break
         finally:
             if counted:

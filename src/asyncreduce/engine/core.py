@@ -34,7 +34,6 @@ after step), the algorithm told only at the end how many ran (``RunsDirectly.swa
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -54,6 +53,7 @@ from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
 from ..protocol.wire import Key, describe, payload_bytes
 from ..request import Request
+from ..spin import SpinWindow
 from ..transport.base import FrameSink, Transport
 from ..transport.frame import MAX_ERROR_BYTES, Descriptor
 from .direct import DRIVE_SPIN, DirectRun
@@ -270,8 +270,7 @@ class Engine:
         ``request`` is done, a close or a bug, or ``spin`` after the last small operation's
         event (``session.spin_until`` moves at each), at most ``timeout`` in all."""
         session = self.session
-        now = time.monotonic()
-        end, last = now + spin, (now + timeout if timeout is not None else math.inf)
+        window = SpinWindow(spin, timeout, time.monotonic())
         seen = session.spin_until
         while not (self._closing.is_set() or self.crash is not None):
             try:
@@ -286,8 +285,9 @@ class Engine:
                 return
             now = time.monotonic()
             if session.spin_until != seen:
-                seen, end = session.spin_until, min(now + spin, last)
-            if now >= end:
+                seen = session.spin_until
+                window.moved(now)
+            if window.over(now):
                 return
             os.sched_yield()
 

@@ -40,11 +40,9 @@ from .buffers import Buffer, as_buffer, device_buffer
 from .engine import Engine
 from .errors import BrokenError, ClosedError, UsageError
 from .keys import Key, Keys, p2p_name
-from .lane import lane_wanted
 from .plans import Plan
 from .request import CallbackRunner, Request
 from .samehost.cma import CrossMemory
-from .samehost.mailbox import native_wanted, open_mailbox, region_bytes
 from .samehost.planes import DataPlane
 from .samehost.window import WindowError, array_layout
 
@@ -54,7 +52,6 @@ log_ops = logging.getLogger("asyncreduce.ops")  # a line per operation, when ask
 if log_ops.level == logging.NOTSET:  # off even under logging.basicConfig(level=DEBUG),
     log_ops.setLevel(logging.INFO)  # unless the program set this logger's level first
 _WINDOW = "asyncreduce/window"  # the key of shared_empty's own collectives
-_LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
 _OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
@@ -351,27 +348,6 @@ class Communicator(BlockingCalls):
         except WindowError as exc:
             self.abort(f"rank {self.rank}: shared_empty: {exc}")
             raise BrokenError(f"shared_empty on rank {self.rank}: {exc}") from exc
-
-    def _open_lane(self, timeout: float) -> None:
-        """Open the same-host lane (lane.py), collectively, where our own engine reaches every
-        rank on this host and every rank wants it (``lane_wanted``)."""
-        backend = self._backend
-        if not isinstance(backend, NativeBackend) or not self._planes.offers_windows:
-            return
-        wanted = np.array([lane_wanted(backend.engine.settings), native_wanted()], np.int8)
-        lane, native = self.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
-        if not lane:
-            return
-        try:
-            window = self._planes.windows.create(
-                self.rank, region_bytes(),
-                lambda record: self.allgather(record, name=_LANE, timeout=timeout),
-                lambda: self.barrier(name=_LANE, timeout=timeout), listed=False,
-            )  # fmt: skip
-        except WindowError as exc:
-            self.abort(f"rank {self.rank}: could not open the same-host lane: {exc}")
-            raise BrokenError(f"init on rank {self.rank}: the same-host lane: {exc}") from exc
-        backend.open_lane(open_mailbox(self.rank, window.mine, window.peers, bool(native)))
 
     # ---- life cycle ----------------------------------------------------------------------
 

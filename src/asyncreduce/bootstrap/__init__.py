@@ -13,7 +13,8 @@ its address sent through MPI), and ``connect`` does the rest over it:
    said);
 4. when every rank is on one host, cross-memory attach is probed (see samehost/cma.py);
 5. rank 0 keeps a store it serves open until every rank is done with it; the engine starts,
-   the ranks agree on a shared clock origin, and one INFO line says what was chosen.
+   the ranks agree on a shared clock origin, open the same-host lane where they all want it,
+   and one INFO line says what was chosen.
 
 In torchrun's store, which outlives any one rendezvous, every init keeps its keys under a
 namespace of its own (``asyncreduce/<restart>/<n>/``).

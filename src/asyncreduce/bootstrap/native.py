@@ -21,7 +21,7 @@ from ..rendezvous.signed import signed
 from ..transport.mesh import connect_mesh
 from ..transport.tcp import TcpTransport
 from .meet import ABORT, gather, remaining
-from .samehost import cross_memory, identity, local_place, share_memory
+from .samehost import cross_memory, identity, local_place, open_lane, share_memory
 from .stores import open_store
 
 __all__ = ["connect", "join"]
@@ -134,7 +134,7 @@ def connect(
     engine = Engine(rank, world_size, lambda s: TcpTransport(rank, socks, s, arenas), settings)
     comm = Communicator(rank, world_size, engine, one_host, cross, local)
     comm._clock_origin = _shared_clock_origin(comm, one_host, remaining(deadline))
-    comm._open_lane(remaining(deadline))
+    open_lane(comm, remaining(deadline))
     log.info("%s", _describe(comm, place.launcher, sorted(arenas), tcp_only, one_host, no_cross))
     return comm
 

@@ -1,6 +1,6 @@
 """Same-host memory at init: shared-memory arenas with every rank on this host, cross-memory
 attach when every rank is on it, and each rank's place among those of its host (steps 3 and 4
-of the package docstring)."""
+of the package docstring); and, once the communicator runs, its same-host lane (step 5)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,24 @@ import struct
 
 import numpy as np
 
+from ..backends.native import NativeBackend
+from ..comm import Communicator
+from ..errors import BrokenError
+from ..lane import lane_wanted
 from ..launchers import Place
 from ..rendezvous import Store
 from ..samehost import cma
 from ..samehost.cma import CrossMemory
+from ..samehost.mailbox import native_wanted, open_mailbox, region_bytes
 from ..samehost.shm import Arena, Segment, create_arena, host_identity, open_arena
+from ..samehost.window import WindowError
 from .meet import gather, remaining
 
-__all__ = ["cross_memory", "identity", "local_place", "share_memory"]
+__all__ = ["cross_memory", "identity", "local_place", "open_lane", "share_memory"]
 
 log = logging.getLogger("asyncreduce.comm")
 CHALLENGE = 16  # bytes of the random challenge each rank sends each other rank
+_LANE = "asyncreduce/lane"  # the key of the collectives that open the same-host lane
 
 
 def identity() -> bytes:
@@ -137,3 +144,25 @@ def _unreadable(
             return f"reading rank {peer} (process {pid}): {failure}"
     return None
 
+
+def open_lane(comm: Communicator, timeout: float) -> None:
+    """Open the same-host lane (lane.py) of a new communicator, collectively, where our own
+    engine reaches every rank on this host and every rank wants it (``lane_wanted``): the
+    last step of init, once the ranks can run collectives."""
+    backend = comm._backend
+    if not isinstance(backend, NativeBackend) or not backend.planes.offers_windows:
+        return
+    wanted = np.array([lane_wanted(backend.engine.settings), native_wanted()], np.int8)
+    lane, native = comm.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
+    if not lane:
+        return
+    try:
+        window = backend.planes.windows.create(
+            comm.rank, region_bytes(),
+            lambda record: comm.allgather(record, name=_LANE, timeout=timeout),
+            lambda: comm.barrier(name=_LANE, timeout=timeout), listed=False,
+        )  # fmt: skip
+    except WindowError as exc:
+        comm.abort(f"rank {comm.rank}: could not open the same-host lane: {exc}")
+        raise BrokenError(f"init on rank {comm.rank}: the same-host lane: {exc}") from exc
+    backend.open_lane(open_mailbox(comm.rank, window.mine, window.peers, bool(native)))

@@ -100,8 +100,7 @@ class Engine:
         self.session = Session(rank, world_size, settings, self.flight, time.monotonic())
         self._loop = Ownership(self._closing, self._asleep, lambda: self.transport.wakeup(),
                                self._has_work)  # fmt: skip
-        self._sink = Sink(rank, self.session, settings, self.flight, self._closing,
-                          lambda: self._loop.driving)  # fmt: skip
+        self._sink = Sink(rank, self.session, settings, self.flight, self._closing, self._loop)
         self._apply = self._sink.apply
         self.transport = self._sink.transport = make_transport(self._sink)
         self._direct = DirectRun(self, self._loop, self._submitted, settings)
@@ -159,7 +158,7 @@ class Engine:
         something happens (``DRIVE_SPIN``, at most ``timeout``): ask for the loop, wake this
         thread if it sleeps (it stands aside after its turn), and take it. A waiter that
         cannot have it soon (another drives, a long unit of work) waits as before."""
-        if self._closing.is_set() or self.crash is not None or self._forked():
+        if not self.usable():
             return
         self._loop.refuse_reentry(request.label)
         spin = DRIVE_SPIN if timeout is None else min(DRIVE_SPIN, timeout)

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from ..flight import FlightRecorder
 from ..protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW, Command
@@ -22,6 +21,7 @@ from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
 from ..transport.base import FrameSink, Transport
 from ..transport.frame import Header
+from .ownership import Ownership
 
 __all__ = ["Sink"]
 
@@ -36,12 +36,12 @@ class Sink(FrameSink):
 
     def __init__(
         self, rank: int, session: Session, settings: Settings, flight: FlightRecorder,
-        closing: threading.Event, driving: Callable[[], bool],
+        closing: threading.Event, loop: Ownership,
     ) -> None:  # fmt: skip
-        """``closing``: close() was asked for (a lost peer is then no failure); ``driving``:
-        whether a waiter holds the loop (it then runs at once: no yield at a completion)."""
+        """``closing``: close() was asked for (a lost peer is then no failure); ``loop``: who
+        holds the loop (a waiter that does runs at once: no yield at its completion)."""
         self.rank, self.session, self.settings, self.flight = rank, session, settings, flight
-        self._closing, self._driving = closing, driving
+        self._closing, self._loop = closing, loop
         self.applying = False  # commands are being applied (a send may report itself sent)
 
     def apply(self, each_alone: bool = False) -> None:
@@ -79,7 +79,7 @@ class Sink(FrameSink):
                 op.request.set_exception(error)
             else:
                 op.request.set_result(value)
-                if op.small and self.settings.spin and not self._driving():
+                if op.small and self.settings.spin and not self._loop.driving:
                     os.sched_yield()  # the waiter runs now, not after another round of the loop
         elif command[0] == DROP:
             transport.drop(command[1])

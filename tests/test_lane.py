@@ -32,7 +32,7 @@ import asyncreduce as ar
 from asyncreduce.algorithms import KINDS, REDUCTION_CODES
 from asyncreduce.buffers import as_buffer
 from asyncreduce.kernels.reduction import DTYPES, fold
-from asyncreduce.lane import Lane, LaneOp
+from asyncreduce.lane.core import Lane, LaneOp
 from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.samehost.mailbox import (
     HERE,
@@ -234,7 +234,7 @@ def test_run_folds_on_the_calling_thread_with_no_request(
     """A blocking allreduce on an idle lane: whether the peer published before or publishes
     while it spins (from another thread), ``run`` folds in rank order on the caller's thread
     and returns None, without adopting it (no request made); the next one can run so too."""
-    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 30.0)  # (a slow machine: no give-up)
+    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 30.0)  # (a slow machine: no give-up)
     world = World(2, kind)
     peer = [lane_op(s, np.full(4, 10.0 * (s + 1), np.float32)) for s in range(2)]
     post(world.lanes[1], peer[0])  # before
@@ -303,7 +303,7 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
     """The peer's contributions come one by one, each well within the spin but all together
     far past it: the waiter of the last one moves the lane to its end itself (no progress
     thread here), since each completion starts its spin again."""
-    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 0.2)
+    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 0.2)
     world = World(2, kind)
     count = 20
     mine = [lane_op(s, np.full(2, float(s), np.float32)) for s in range(count)]
@@ -344,7 +344,7 @@ def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
 ) -> None:
     """Another thread closes the lane while ``run`` spins: it ends at once, failed with the
     close's own error (the spin is long: only the close can end it in time)."""
-    monkeypatch.setattr("asyncreduce.lane._WAITER_SPIN", 30.0)  # (a close must end it)
+    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 30.0)  # (a close must end it)
     world = World(2, kind)
     mine = lane_op(0, np.ones(2, np.float32))
     closing = threading.Timer(0.05, world.lanes[0].close, (lambda op: ar.BrokenError(op.label),))

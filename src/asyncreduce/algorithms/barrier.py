@@ -123,7 +123,9 @@ def _partners(
     rounds = range((world_size - 1).bit_length())
     sources = frozenset(_source(rank, world_size, s) for s in rounds)
     partners = sources | {_target(rank, world_size, s) for s in rounds}
-    swaps = () if not _butterfly(world_size) else tuple(
-        Swap(_target(rank, world_size, s), s, False) for s in rounds
+    swaps = (
+        ()
+        if not _butterfly(world_size)
+        else tuple(Swap(_target(rank, world_size, s), s, False) for s in rounds)
     )
     return sources, partners, swaps

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Backend"]
 
+
 class Backend(Protocol):
     """What runs a communicator's operations (this module's docstring)."""
 

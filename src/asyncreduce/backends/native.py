@@ -44,6 +44,7 @@ from ..plans import Plan
 from ..protocol.operation import Operation
 from ..request import CallbackRunner, Request
 from ..samehost.mailbox import HERE, Mailbox, SlotHeader, header
+from ..samehost.named import NamedSlots
 from ..samehost.planes import DataPlane, SharedPlanes
 from ..transport.frame import Descriptor
 from .common import EngineBackend, log_post
@@ -95,14 +96,16 @@ class NativeBackend(EngineBackend):
         request: Request[Any],
     ) -> None:  # fmt: skip
         lane = self.lane
-        if lane is not None and Lane.takes(plan.kind, plan.buf, key):
+        announce = False
+        if lane is not None and lane.takes(plan.kind, plan.buf, key):
             desc, _ = self._described(plan, label)
-            lane.post(self._lane_op(plan, key, label, timeout, desc), request)
-            return
+            if lane.post(self._lane_op(plan, key, label, timeout, desc), request):
+                return
+            announce = True  # a named one the lane could not take: the peers must hear
         algo, desc = self._built(plan, key, label)
-        self.engine.submit(
-            Operation(key, label, desc, algo, request, plan.result, priority, timeout)
-        )
+        op = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+        op.announce = announce
+        self.engine.submit(op)
 
     def _built(self, plan: Plan, key: Key, label: str) -> tuple[Collective, Descriptor]:
         """``plan``'s algorithm as the engine runs it (a group's renumbered), its descriptor,
@@ -134,7 +137,11 @@ class NativeBackend(EngineBackend):
         done, its result is in place. Any other gets a request (``runner`` runs its
         callbacks), returned."""
         lane = self.lane
-        if lane is None or not Lane.takes(plan.kind, plan.buf, key):
+        if lane is not None and key[0] and lane.takes(plan.kind, plan.buf, key):
+            request: Request[Any] = Request(label, runner)
+            self.submit(plan, key, label, priority, timeout, request)
+            return request
+        if lane is None or not lane.takes(plan.kind, plan.buf, key):
             algo, desc = self._built(plan, key, label)
             made = _adopter(key, label, desc, algo, plan.result, priority, timeout, runner)
             if isinstance(algo, _DIRECT_ALGORITHMS) and plan.kind in _DIRECT_KINDS:
@@ -197,20 +204,23 @@ class NativeBackend(EngineBackend):
             found = self._known[same] = (desc, header(HERE, desc))
         return found
 
-    def open_lane(self, mailbox: Mailbox) -> None:
-        """Send the world's unnamed small allreduces through ``mailbox`` from now on (every
-        rank switches at the same point: after the collective that made the mailboxes)."""
-        self.lane = self.engine.lane = Lane(mailbox, self.rank, self.world_size, self.convert,
-                                            self.engine.nudge)  # fmt: skip
+    def open_lane(self, mailbox: Mailbox, named: NamedSlots | None = None) -> None:
+        """Send the world's small allreduces through ``mailbox`` from now on, named ones too
+        where there are ``named`` slots (every rank switches at the same point: after the
+        collective that made the mailboxes)."""
+        self.lane = Lane(mailbox, self.rank, self.world_size, self.convert, self.engine.nudge,
+                         named)  # fmt: skip
+        self.engine.take_lane(self.lane)
 
     def convert(self, op: LaneOp) -> None:
         """Run a lane operation on the engine after all (a peer runs it there, or disagrees
         about it): the engine's matching completes it or fails it on every rank."""
         kind = "barrier" if op.desc.kind == KINDS["barrier"] else "allreduce"  # (Lane.takes)
         algo = build(kind, self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
+        made = Operation(op.key, op.label, op.desc, algo, op.request, op.result, 0, op.timeout)
+        made.announce = bool(op.key[0])  # peers whose lane holds it must hand it over too
         try:
-            self.engine.submit(Operation(op.key, op.label, op.desc, algo, op.request, op.result,
-                                         0, op.timeout))  # fmt: skip
+            self.engine.submit(made)
         except (BrokenError, ClosedError) as exc:
             op.request.set_exception(exc)
 
@@ -275,6 +285,15 @@ class DirectCalls:
         dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
         lane = backend.lane
+        if lane is not None and key[0] and lane.named is not None:
+            backend.admitted(label, desc)
+            in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
+                                    None, 0.0, runner)  # fmt: skip
+            made = lane.run_named(key, head, flat, dtype, op, in_lane)
+            if made is not False:
+                return made
+            plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)
+            return backend.run(plan, key, label, priority, None, runner)
         if lane is not None and not key[0]:
             backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
@@ -289,7 +308,8 @@ class DirectCalls:
         """``Engine.run_direct`` of a barrier numbered ``key`` (``Lane.run_waiting``, where the
         lane takes it: ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
-        if backend.lane is not None and not key[0]:
+        lane = backend.lane
+        if lane is not None and (not key[0] or lane.named is not None):
             return backend.run(plans.barrier(), key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)

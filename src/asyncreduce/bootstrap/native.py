@@ -212,4 +212,3 @@ def _shared_clock_origin(comm: Communicator, one_host: bool, timeout: float) -> 
         rank0 = float(readings[0][0])
         offsets.append(0.0 if one_host else now - rank0)
     return rank0 + sorted(offsets)[len(offsets) // 2]
-

@@ -127,4 +127,3 @@ def _started(comm: Communicator, backend: str, timeout: float) -> Communicator:
              "allreduces fused up to %d bytes", comm.rank, comm.world_size, backend,
              plane.engine, plane.control, engine.fusion_bytes)  # fmt: skip
     return comm
-

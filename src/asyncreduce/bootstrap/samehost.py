@@ -12,6 +12,7 @@ import numpy as np
 
 from ..backends.native import NativeBackend
 from ..comm import Communicator
+from ..envvars import env_number
 from ..errors import BrokenError
 from ..lane import lane_wanted
 from ..launchers import Place
@@ -19,6 +20,7 @@ from ..rendezvous import Store
 from ..samehost import cma
 from ..samehost.cma import CrossMemory
 from ..samehost.mailbox import native_wanted, open_mailbox, region_bytes
+from ..samehost.named import MAX_RANKS, NamedSlots, named_bytes
 from ..samehost.shm import Arena, Segment, create_arena, host_identity, open_arena
 from ..samehost.window import WindowError
 from .meet import gather, remaining
@@ -152,17 +154,21 @@ def open_lane(comm: Communicator, timeout: float) -> None:
     backend = comm._backend
     if not isinstance(backend, NativeBackend) or not backend.planes.offers_windows:
         return
-    wanted = np.array([lane_wanted(backend.engine.settings), native_wanted()], np.int8)
-    lane, native = comm.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
+    named_wanted = env_number("ASYNCREDUCE_LANE_NAMED", 1, int, 0) > 0
+    wanted = np.array([lane_wanted(backend.engine.settings), native_wanted(), named_wanted],
+                      np.int8)  # fmt: skip
+    lane, native, named = comm.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
     if not lane:
         return
+    named = named and comm.world_size <= MAX_RANKS
     try:
         window = backend.planes.windows.create(
-            comm.rank, region_bytes(),
+            comm.rank, region_bytes() + (named_bytes() if named else 0),
             lambda record: comm.allgather(record, name=_LANE, timeout=timeout),
             lambda: comm.barrier(name=_LANE, timeout=timeout), listed=False,
         )  # fmt: skip
     except WindowError as exc:
         comm.abort(f"rank {comm.rank}: could not open the same-host lane: {exc}")
         raise BrokenError(f"init on rank {comm.rank}: the same-host lane: {exc}") from exc
-    backend.open_lane(open_mailbox(comm.rank, window.mine, window.peers, bool(native)))
+    slots = NamedSlots(comm.rank, window.mine, window.peers) if named else None
+    backend.open_lane(open_mailbox(comm.rank, window.mine, window.peers, bool(native)), slots)

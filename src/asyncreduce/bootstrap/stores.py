@@ -87,4 +87,3 @@ def _host_addresses() -> list[str]:
                 continue  # no IPv4 address on this interface
             found.append(socket.inet_ntoa(reply[20:24]))
     return sorted(found, key=lambda address: address.startswith("127.")) or ["127.0.0.1"]
-

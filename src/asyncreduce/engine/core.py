@@ -105,7 +105,9 @@ class Engine:
         self.transport = self._sink.transport = make_transport(self._sink)
         self._direct = DirectRun(self, self._loop, self._submitted, settings)
         self._lanes = LaneMover(self.session, self._apply)
-        self.lane: Lane | None = None  # the same-host lane, once the communicator opened it
+        self.lane: Lane | None = (
+            None  # the same-host lane, once the communicator opened it (``take_lane``)
+        )
         self._thread = threading.Thread(
             target=self._run, name=f"{THREAD_PREFIX}{rank}", daemon=True
         )
@@ -141,6 +143,12 @@ class Engine:
         if session.broken is None and not session.liveness.departed:
             return None  # the usual case, asked for every post: nothing built
         return session.refusal(label, goodbyes)
+
+    def take_lane(self, lane: Lane) -> None:
+        """Move ``lane``'s operations nobody waits on from now on, and hand it the named keys
+        a peer runs here on the engine (``Lane.claim``)."""
+        self.lane = lane
+        self._sink.claim = lane.claim
 
     def nudge(self) -> None:
         """The lane has work this thread must look at: wake it if it sleeps for longer than

@@ -14,9 +14,21 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from ..flight import FlightRecorder
-from ..protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW, Command
+from ..keys import Key
+from ..protocol.commands import (
+    BROKE,
+    CLAIM,
+    DIVERT,
+    DROP,
+    FINISH,
+    RELEASE,
+    SEND,
+    WITHDRAW,
+    Command,
+)
 from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
 from ..transport.base import FrameSink, Transport
@@ -26,6 +38,10 @@ from .ownership import Ownership
 __all__ = ["Sink"]
 
 log = logging.getLogger("asyncreduce.engine")
+
+
+def _no_lane(key: Key, remember: bool) -> None:
+    """``Sink.claim`` before a lane is open: nothing holds the key."""
 
 
 class Sink(FrameSink):
@@ -43,6 +59,7 @@ class Sink(FrameSink):
         self.rank, self.session, self.settings, self.flight = rank, session, settings, flight
         self._closing, self._loop = closing, loop
         self.applying = False  # commands are being applied (a send may report itself sent)
+        self.claim: Callable[[Key, bool], None] = _no_lane  # the lane's, once it is open
 
     def apply(self, each_alone: bool = False) -> None:
         """Carry out the session's commands, in order (``each_alone``: the crash handler's
@@ -94,6 +111,8 @@ class Sink(FrameSink):
             self.session.withdrawn(peer, kept)
         elif command[0] == BROKE:
             self._write_flight_record()
+        elif command[0] == CLAIM:
+            self.claim(command[1], command[2])
 
     def _write_flight_record(self) -> None:
         if self.settings.flight_dir:

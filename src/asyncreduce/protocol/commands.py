@@ -12,6 +12,8 @@ frame:
     (RELEASE, peer)                ``peer`` said goodbye: drop what is queued for it, half-close
     (FINISH, op, value, error)     give the operation's request its outcome
     (BROKE, error)                 the communicator broke: write the flight record if asked to
+    (CLAIM, key, remember)         a peer runs named ``key`` on the engine: the same-host lane
+                                   hands it over if it holds it (``remember``: or once posted)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 if TYPE_CHECKING:
     from .operation import Operation
 
-__all__ = ["SEND", "DROP", "DIVERT", "WITHDRAW", "RELEASE", "FINISH", "BROKE", "Command"]
+__all__ = ["SEND", "DROP", "DIVERT", "WITHDRAW", "RELEASE", "FINISH", "BROKE", "CLAIM", "Command"]
 
 SEND: Final = 0
 DROP: Final = 1
@@ -30,6 +32,7 @@ WITHDRAW: Final = 3
 RELEASE: Final = 4
 FINISH: Final = 5
 BROKE: Final = 6
+CLAIM: Final = 7
 CONTROL_PRIORITY = 1 << 30  # control frames overtake every operation's data
 
 # Each command's type, so the engine unpacks it checked (``command[0] == SEND`` narrows the
@@ -41,4 +44,5 @@ Withdraw = tuple[Literal[3], int]
 Release = tuple[Literal[4], int]
 Finish = tuple[Literal[5], "Operation", Any, "BaseException | None"]
 Broke = tuple[Literal[6], BaseException]
-Command = Send | Drop | Divert | Withdraw | Release | Finish | Broke
+Claim = tuple[Literal[7], tuple[bytes, int], bool]
+Command = Send | Drop | Divert | Withdraw | Release | Finish | Broke | Claim

@@ -43,5 +43,7 @@ def timed_out(op: Any, rank: int, waiting: set[int]) -> TimeoutError:
 
 def silent_for(op: Any, rank: int, silent: set[int], peer_timeout: float) -> TimeoutError:
     """The error of an operation on ``rank`` that waits for peers ``silent`` this long."""
-    return TimeoutError(f"{op.label} failed on rank {rank}: {ranks_phrase(silent)} sent nothing "
-                        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)")
+    return TimeoutError(
+        f"{op.label} failed on rank {rank}: {ranks_phrase(silent)} sent nothing "
+        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)"
+    )

@@ -47,6 +47,7 @@ class Operation:
     ended: bool = field(default=False, init=False)  # its request was given its outcome
     dropped_for: int = field(default=-1, init=False)  # a departed rank it had a frame for
     record: Record | None = field(default=None, init=False)
+    announce: bool = field(default=False, init=False)  # tell every peer it runs here (lane)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to
 
 _WORK_PATIENCE = 0.1  # seconds: an operation with work waiting this long goes first (work)
 
+
 class Session:
     """One rank's protocol state (see the module docstring)."""
 
@@ -138,7 +139,9 @@ class Session:
         self.matching.ops[op.key] = op
         op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
         self._spin_after(op)
-        if self.flow.told:
+        if op.announce:  # a named one the same-host lane would take: peers there hand it over
+            self._control(self.liveness.open_peers(), wire.PostNotice(op.key, op.desc))
+        elif self.flow.told:
             self._control(self.flow.told, wire.PostNotice(op.key, op.desc))
         op.age = next(self._order)
         op.started = now
@@ -313,9 +316,11 @@ class Session:
                 self.commands.append((do.WITHDRAW, peer))
         elif isinstance(message, wire.PostNotice):
             self._send_kept(peer, self.flow.posted_there(peer, message.key, self.matching.live))
+            self._claim(message.key, remember=True)
         elif isinstance(message, wire.Resume):
             self._send_kept(peer, self.flow.resumed(peer, self.matching.live))
         elif isinstance(message, wire.Ask):
+            self._claim(message.key, remember=True)
             answer = self.matching.answer(message.key)
             self._control((peer,), wire.Answer(message.key, message.desc, answer))
         elif isinstance(message, wire.Answer):
@@ -372,6 +377,12 @@ class Session:
         for peer in self.flow.drained(self.matching.unexpected_bytes):
             self._control((peer,), wire.Resume())
 
+    def _claim(self, key: Key, remember: bool) -> None:
+        """A peer runs ``key`` on the engine: a named operation the same-host lane holds must
+        run there too (lane/named.py)."""
+        if key[0] and key not in self.matching.ops and key not in self.matching.done:
+            self.commands.append((do.CLAIM, key, remember))
+
     def _control(self, peers: Iterable[int], message: Control) -> None:
         """Send ``message`` to each of ``peers``, encoded once."""
         head, payload = wire.encode(message)
@@ -395,6 +406,8 @@ class Session:
         if header.key in matching.done:
             self._late_frame(peer, header)
         elif header.key not in matching.failed and self.broken is None:
+            if header.key not in matching.unexpected:
+                self._claim(header.key, remember=False)
             matching.keep(peer, header, payload)
             if self.flow.over_cap(peer, matching.unexpected_bytes):
                 self._control((peer,), wire.Hold())

@@ -71,19 +71,19 @@ _REDUCE_NAMES = {0: "", **{code: name for name, code in REDUCTION_CODES.items()}
 
 
 class Beat(NamedTuple):
-    """"Still here": sent to every peer once a beat, so silence means trouble."""
+    """ "Still here": sent to every peer once a beat, so silence means trouble."""
 
 
 class Hold(NamedTuple):
-    """"I hold too much of yours: from now on send me only what I posted" (back-pressure)."""
+    """ "I hold too much of yours: from now on send me only what I posted" (back-pressure)."""
 
 
 class Resume(NamedTuple):
-    """"I hold little of yours again: send me everything as it comes" (ends a ``Hold``)."""
+    """ "I hold little of yours again: send me everything as it comes" (ends a ``Hold``)."""
 
 
 class PostNotice(NamedTuple):
-    """"I posted this operation: you may send me its frames" (to a peer told to hold)."""
+    """ "I posted this operation: you may send me its frames" (to a peer told to hold)."""
 
     key: Key
     desc: Descriptor
@@ -105,7 +105,7 @@ class Answer(NamedTuple):
 
 
 class Failed(NamedTuple):
-    """"This operation failed here; fail it the same way" (an ERROR frame)."""
+    """ "This operation failed here; fail it the same way" (an ERROR frame)."""
 
     key: Key
     desc: Descriptor
@@ -114,7 +114,7 @@ class Failed(NamedTuple):
 
 
 class Abort(NamedTuple):
-    """"My communicator broke, so must yours"."""
+    """ "My communicator broke, so must yours"."""
 
     reason: str
 

@@ -13,8 +13,7 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - exercised in a tor
     if _missing.name != "torch":
         raise
     raise ModuleNotFoundError(
-        "asyncreduce.torch needs PyTorch, which is not installed: "
-        "pip install 'asyncreduce[torch]'",
+        "asyncreduce.torch needs PyTorch, which is not installed: pip install 'asyncreduce[torch]'",
         name="torch",
     ) from None
 

@@ -237,7 +237,10 @@ def build_buckets(
 
 
 def _shared_buffers(
-    comm: Communicator, groups: list[list[nn.Parameter]], sizes: list[int], copies: int,
+    comm: Communicator,
+    groups: list[list[nn.Parameter]],
+    sizes: list[int],
+    copies: int,
     stagers: list[Stager | None],
 ) -> dict[int, list[torch.Tensor]]:
     """The buffers of the CPU buckets, carved from one shared window per dtype

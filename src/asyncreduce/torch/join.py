@@ -49,6 +49,7 @@ class Joiner(Protocol):
         """Take part in a synced backward pass with zero gradients (this rank's data ended)."""
         ...
 
+
 _TRAINING, _BUFFERS, _SYNCED = 1, 2, 4
 
 

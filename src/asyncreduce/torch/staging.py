@@ -185,8 +185,12 @@ class Stager:
         timeout: float | None = None,
     ) -> StagedRequest[torch.Tensor]:  # fmt: skip
         """``iallreduce`` through a pooled host twin (see ``_pooled``)."""
-        return self._pooled(tensor, lambda host, release: self.iallreduce(
-            tensor, host, op, name=name, priority=priority, timeout=timeout, release=release))
+        return self._pooled(
+            tensor,
+            lambda host, release: self.iallreduce(
+                tensor, host, op, name=name, priority=priority, timeout=timeout, release=release
+            ),
+        )
 
     def pooled_broadcast(
         self, tensor: torch.Tensor, root: int, *, name: str | None, timeout: float | None = None

@@ -134,8 +134,10 @@ class DeviceReads(TorchFunctionMode):
 
 
 def _names_device(value: Any) -> bool:
-    return isinstance(value, torch.device) or value in ("cpu", "cuda") or (
-        isinstance(value, str) and value.startswith("cuda:")
+    return (
+        isinstance(value, torch.device)
+        or value in ("cpu", "cuda")
+        or (isinstance(value, str) and value.startswith("cuda:"))
     )
 
 

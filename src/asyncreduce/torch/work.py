@@ -146,5 +146,3 @@ def joined(works: list[Work], outputs: list[Any]) -> Work:
             f()
 
     return Work(requests, outputs, finish)
-
-

@@ -107,9 +107,7 @@ class QuietPairs:
             found, sent, n = native_swap(target.fd, head, payload, room, seconds)
         return self._swapped(target, head, payload, priority, room, found, sent, n)
 
-    def _room_in_c(
-        self, peer: int, whole: int, size: int
-    ) -> tuple[Connection, memoryview] | None:
+    def _room_in_c(self, peer: int, whole: int, size: int) -> tuple[Connection, memoryview] | None:
         """The connection to ``peer`` and the room a swap in C takes its frame of ``whole``
         bytes (``size`` of payload) into, where it may: built, the connection idle, no begun
         frame waiting, the frame not one for the arena and not larger than the staging
@@ -165,8 +163,17 @@ class QuietPairs:
                 return None
             fds.append(target.fd)
             rooms.append(room)
-        done, found, sent, n = native_swaps(tuple(fds), tuple(rooms), plan[1], plan[2], head,
-                                            STEP_AT, payload, seconds, *(combining or ()))
+        done, found, sent, n = native_swaps(
+            tuple(fds),
+            tuple(rooms),
+            plan[1],
+            plan[2],
+            head,
+            STEP_AT,
+            payload,
+            seconds,
+            *(combining or ()),
+        )
         if done == len(steps):
             return done, COMBINED
         peer, step, _ = steps[done]

@@ -155,8 +155,11 @@ class Agreement:
             raise AgreementError(f"rank {peer} contributed to round {round_} twice")
         heard[peer] = entries
         out = []
-        if round_ == self.round and not self._sent and not self._stopped and (
-            self._waiting or self._new
+        if (
+            round_ == self.round
+            and not self._sent
+            and not self._stopped
+            and (self._waiting or self._new)
         ):
             out = self._contribute()  # answer at once: this rank waits for something
         return out + self._maybe_complete()

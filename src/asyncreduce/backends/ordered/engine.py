@@ -480,4 +480,3 @@ class OrderedEngine:
                 self.adapter.close(pending=bool(self._calls))
             except Exception as exc:
                 log.debug("closing the %s adapter: %s", self.adapter.name, exc)
-

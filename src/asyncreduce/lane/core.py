@@ -43,19 +43,19 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from . import forks
-from .algorithms import Array, DType
-from .buffers import Buffer
-from .envvars import env_number
-from .errors import ClosedError, UsageError
-from .keys import Key
-from .protocol.operation import Settings
-from .protocol.outside import judge
-from .protocol.session import Session
-from .request import Request
-from .samehost.mailbox import (
+from .. import forks
+from ..algorithms import Array, DType
+from ..buffers import Buffer
+from ..envvars import env_number
+from ..errors import ClosedError, UsageError
+from ..keys import Key
+from ..protocol.operation import Settings
+from ..protocol.outside import judge
+from ..protocol.session import Session
+from ..request import Request
+from ..samehost.mailbox import (
     AGREED,
     HERE,
     ON_ENGINE,
@@ -66,8 +66,10 @@ from .samehost.mailbox import (
     header,
     supported,
 )
-from .spin import SpinWindow
-from .transport.frame import Descriptor
+from ..samehost.named import Found, NamedSlots, key_words
+from ..spin import SpinWindow
+from ..transport.frame import Descriptor
+from .named import NamedOps
 
 __all__ = ["Lane", "LaneOp", "lane_wanted"]
 
@@ -85,7 +87,7 @@ class LaneOp:
     mailbox's words; ``deadline``: monotonic, 0 for none)."""
 
     __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
-                 "timeout", "deadline")  # fmt: skip
+                 "timeout", "deadline", "words", "slot", "found")  # fmt: skip
 
     request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run_waiting`` needs one
 
@@ -99,6 +101,10 @@ class LaneOp:
         self.buf, self.op, self.result = buf, op, result
         self.timeout = timeout
         self.deadline = 0.0 if timeout is None else (posted or time.monotonic()) + timeout
+        if key[0]:  # a named one: found by key (named.py)
+            self.words = key_words(*key)
+            self.slot = -1
+            self.found = Found()
 
 
 class Lane:
@@ -110,12 +116,15 @@ class Lane:
     def __init__(
         self, mailbox: Mailbox, rank: int, world_size: int,
         convert: Callable[[LaneOp], None], wake: Callable[[], None] = lambda: None,
+        named: NamedSlots | None = None,
     ) -> None:  # fmt: skip
+        """``named``: the named slots, where named operations take the lane too."""
         self.mailbox = mailbox
         self.rank, self.world_size = rank, world_size
         self._convert = convert
         self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
+        self.named = None if named is None else NamedOps(named, self._lock, convert, self)
         self._unpublished: dict[int, tuple[SlotHeader, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
         self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
@@ -129,29 +138,70 @@ class Lane:
         self.moved_at = 0.0  # when the lane last published or completed something
         self._generation = forks.generation()  # a forked child must not move it (``_forked``)
 
-    @staticmethod
-    def takes(kind: str, buf: Buffer, key: Key) -> bool:
-        """Whether an operation goes through the lane: unnamed small allreduces, and unnamed
-        barriers (an allreduce of nothing: done once every rank published its slot)."""
+    def takes(self, kind: str, buf: Buffer, key: Key) -> bool:
+        """Whether an operation goes through the lane: small allreduces, and barriers (an
+        allreduce of nothing: done once every rank published its slot); named ones where the
+        lane has named slots. The one place that says "small" for the lane."""
         small = kind == "allreduce" and buf.flat.nbytes <= SLOT_BYTES
-        return (small or kind == "barrier") and not key[0]
+        return (small or kind == "barrier") and (not key[0] or self.named is not None)
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending or self._unpublished)
+        return bool(self._pending or self._unpublished or (self.named and self.named.pending))
 
     # ---- any thread ----------------------------------------------------------------------
 
-    def post(self, op: LaneOp, request: Request[Any]) -> None:
+    def post(self, op: LaneOp, request: Request[Any]) -> bool:
         """Start ``op`` with ``request``: publish its contribution (now, if its slot is free)
-        and complete it if every peer's is there already."""
+        and complete it if every peer's is there already. False: a named one the lane cannot
+        take now (no free slot, or a peer runs it on the engine), for the engine to run."""
         op.request = request
+        if op.key[0]:
+            return self._post_named(op)
         try:
             with self._lock:
                 self._post(op)
         except BaseException:
             self._rescue(op.seq, lambda: op)
             raise
+        return True
+
+    def _post_named(self, op: LaneOp) -> bool:
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{op.label}: the communicator is closed")
+            assert self.named is not None  # (``takes``)
+            op.request.mover = self
+            if not self.named.post(op):
+                op.request.mover = None
+                return False
+            self.moved_at = time.monotonic()
+        return True
+
+    def run_named(
+        self, key: Key, head: SlotHeader, flat: Array, dtype: DType, op: str,
+        adopt: Callable[[], LaneOp],
+    ) -> Request[Any] | None | Literal[False]:  # fmt: skip
+        """``run_waiting`` for a named operation (``NamedOps.run``); False: the lane cannot
+        take it now, for the engine to run."""
+        named = self.named
+        if named is None:
+            return False
+        made = named.run(key, head, flat, dtype, op, _WAITER_SPIN, adopt)
+        if made is None:
+            self.moved_at = time.monotonic()
+        elif made is not False and not made.done():
+            self._wake()  # the progress thread moves it now: it must not doze
+        return made
+
+    def claim(self, key: Key, remember: bool) -> None:
+        """A peer runs ``key`` on the engine (the engine thread heard so): a named operation
+        the lane holds goes there too (``remember``: or will, once posted)."""
+        if self.named is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self.named.claim(key, remember)
 
     def run_waiting(
         self, seq: int, head: SlotHeader, flat: Array, dtype: DType, op: str,
@@ -313,19 +363,28 @@ class Lane:
         """Fail what must fail (protocol/outside.py's rules), through ``session`` where the
         peers must hear of it (its commands are the caller's to apply)."""
         with self._lock:
-            if not self._pending:
+            if not self.busy:
                 return
             departed, failed = session.liveness.departed, session.matching.failed
             wait = session.settings.peer_timeout
-            for op in self._ordered():
+            for op, missing in self._judged():
                 verdict = judge(op, self.rank, now, broken=session.broken,
                                 earlier=failed.get(op.key), departed=departed,
-                                missing=functools.partial(self.mailbox.missing, op.seq),
+                                missing=functools.partial(missing, op),
                                 silent=silent, peer_timeout=wait)  # fmt: skip
                 if verdict is not None:
                     self._fail(op, verdict.error)
                     if verdict.everywhere:
                         session.fail_all(verdict.error, (op.key, op.desc))
+
+    def _judged(self) -> list[tuple[LaneOp, Callable[[LaneOp], set[int]]]]:
+        """Every pending operation, with how to ask which peers it still misses."""
+        unnamed = self.mailbox.missing
+        judged = [(op, lambda o: unnamed(o.seq)) for op in self._ordered()]
+        named = self.named
+        if named is not None:
+            judged += [(op, named.missing) for op in named.pending.values()]
+        return judged
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)`` (and what ``run`` moves); later posts raise
@@ -337,6 +396,8 @@ class Lane:
             for op in self._ordered():
                 self._fail(op, error(op))
             self._unpublished.clear()  # nobody will read them: the peers hear of the close
+            if self.named is not None:
+                self.named.close(error)
             self.mailbox.release()
 
     def _rescue(self, seq: int, made: Callable[[], LaneOp]) -> None:
@@ -378,6 +439,9 @@ class Lane:
     def _advance(self) -> None:
         if self._closed:
             return  # (a waiter may still drive: its request failed already)
+        named = self.named
+        if named is not None and named.pending and named.advance():
+            self.moved_at = time.monotonic()
         unpublished = self._unpublished
         while self._next in unpublished and self.mailbox.free(self._next):
             seq = self._next
@@ -452,6 +516,10 @@ class Lane:
         self.mailbox.done_through(through)
 
     def _fail(self, op: LaneOp, error: BaseException) -> None:
+        if op.key[0]:
+            if self.named is not None:
+                self.named.fail(op, error)
+            return
         if op.seq not in self._pending:
             return
         if op.seq in self._unpublished:  # peers still wait for its slot: it says "elsewhere"

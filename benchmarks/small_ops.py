@@ -188,6 +188,9 @@ class _NoEngine:
     def nudge(self) -> None:
         pass
 
+    def take_lane(self, lane: object) -> None:
+        self.lane = lane
+
     def close(self) -> None:
         pass
 

@@ -28,11 +28,25 @@ from asyncreduce.kernels.reduction import DTYPES, fold
 from asyncreduce.lane.core import Lane, LaneOp
 from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.samehost.mailbox import Mailbox, region_bytes
-from asyncreduce.samehost.named import NAMED_SLOTS, NamedSlots, named_bytes
+from asyncreduce.samehost.named import (
+    NAMED_SLOTS,
+    NamedCore,
+    NamedSlots,
+    NativeNamedSlots,
+    named_bytes,
+)
 from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
 
 RUNNER = CallbackRunner("test-lane-named")
+NATIVE = pytest.mark.skipif(NamedCore is None, reason="asyncreduce._named_core not built")
+
+
+@pytest.fixture(params=[NamedSlots, pytest.param(NativeNamedSlots, marks=NATIVE)],
+                ids=["python", "native"])  # fmt: skip
+def kind(request: pytest.FixtureRequest) -> type[NamedSlots]:
+    """Each one-process test runs over both named slots: numpy's and the C one."""
+    return request.param  # type: ignore[no-any-return]
 
 
 # ---- one process: lanes over plain arrays -------------------------------------------------
@@ -43,7 +57,7 @@ class World:
     is recorded, and (as its engine would, with a PostNotice) claimed from every peer, later
     (``deliver``: the engine thread hears of it after the call that handed it over)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, kind: type[NamedSlots]) -> None:
         size = region_bytes() + named_bytes()
         regions = [np.zeros(size, np.uint8) for _ in range(n)]
         self.n = n
@@ -54,7 +68,7 @@ class World:
             peers = {p: regions[p] for p in range(n) if p != r}
             self.lanes.append(Lane(Mailbox(r, regions[r], peers), r, n,
                                    lambda op, r=r: self.engine(r, op),
-                                   named=NamedSlots(r, regions[r], peers)))  # fmt: skip
+                                   named=kind(r, regions[r], peers)))  # fmt: skip
 
     def engine(self, rank: int, op: LaneOp | None, key: tuple[bytes, int] | None = None) -> None:
         key = op.key if op is not None else key
@@ -89,12 +103,14 @@ def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_named_operations_in_any_order_end_alike_on_every_rank(n: int, seed: int) -> None:
+def test_named_operations_in_any_order_end_alike_on_every_rank(
+    n: int, seed: int, kind: type[NamedSlots]
+) -> None:
     rng = random.Random(seed)
-    world = World(n)
+    world = World(n, kind)
     keys = [f"k{i}" for i in range(NAMED_SLOTS + 24)]
     orders = [rng.sample(keys, len(keys)) for _ in range(n)]
-    dtype = rng.choice(["float32", "float64", "int64"])
+    dtype = rng.choice(["float32", "float64", "int64", "int16", "float16"])  # (C folds all but the last)
     op = rng.choice(["sum", "max", "prod"])
     inputs = {k: [np.array(np.arange(1, 9) * (r + 1) + i, dtype)
                   for r in range(n)] for i, k in enumerate(keys)}  # fmt: skip
@@ -130,8 +146,8 @@ def test_named_operations_in_any_order_end_alike_on_every_rank(n: int, seed: int
     assert all(lane.named and not lane.named.pending for lane in world.lanes)
 
 
-def test_a_slot_is_reused_only_once_every_peer_acknowledged_it() -> None:
-    world = World(2)
+def test_a_slot_is_reused_only_once_every_peer_acknowledged_it(kind: type[NamedSlots]) -> None:
+    world = World(2, kind)
     ops = [named_op(f"a{i}", np.ones(4)) for i in range(NAMED_SLOTS)]
     for made in ops:
         world.post(0, made)
@@ -149,8 +165,8 @@ def test_a_slot_is_reused_only_once_every_peer_acknowledged_it() -> None:
     assert b"again" not in world.on_engine[0]
 
 
-def test_a_word_from_the_engine_before_the_post_is_remembered() -> None:
-    world = World(2)
+def test_a_word_from_the_engine_before_the_post_is_remembered(kind: type[NamedSlots]) -> None:
+    world = World(2, kind)
     world.engine(0, None, (b"k", 0))  # rank 0's engine runs k: rank 1 hears of it first
     world.deliver(random.Random(0))
     made = named_op("k", np.ones(4))
@@ -158,8 +174,10 @@ def test_a_word_from_the_engine_before_the_post_is_remembered() -> None:
     assert b"k" in world.on_engine[1] and not made.request.done()
 
 
-def test_a_peer_that_describes_a_key_otherwise_makes_every_rank_hand_it_over() -> None:
-    world = World(3)
+def test_a_peer_that_describes_a_key_otherwise_makes_every_rank_hand_it_over(
+    kind: type[NamedSlots],
+) -> None:
+    world = World(3, kind)
     for rank in range(3):
         count = 5 if rank == 2 else 4
         world.post(rank, named_op("k", np.ones(count)))

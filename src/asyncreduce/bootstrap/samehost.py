@@ -20,7 +20,7 @@ from ..rendezvous import Store
 from ..samehost import cma
 from ..samehost.cma import CrossMemory
 from ..samehost.mailbox import native_wanted, open_mailbox, region_bytes
-from ..samehost.named import MAX_RANKS, NamedSlots, named_bytes
+from ..samehost.named import MAX_RANKS, named_bytes, native_named_wanted, open_named
 from ..samehost.shm import Arena, Segment, create_arena, host_identity, open_arena
 from ..samehost.window import WindowError
 from .meet import gather, remaining
@@ -155,9 +155,10 @@ def open_lane(comm: Communicator, timeout: float) -> None:
     if not isinstance(backend, NativeBackend) or not backend.planes.offers_windows:
         return
     named_wanted = env_number("ASYNCREDUCE_LANE_NAMED", 1, int, 0) > 0
-    wanted = np.array([lane_wanted(backend.engine.settings), native_wanted(), named_wanted],
-                      np.int8)  # fmt: skip
-    lane, native, named = comm.allreduce(wanted, op="min", name=_LANE, timeout=timeout)
+    wanted = np.array([lane_wanted(backend.engine.settings), native_wanted(), named_wanted,
+                       native_named_wanted()], np.int8)  # fmt: skip
+    lane, native, named, native_named = comm.allreduce(wanted, op="min", name=_LANE,
+                                                       timeout=timeout)  # fmt: skip
     if not lane:
         return
     named = named and comm.world_size <= MAX_RANKS
@@ -170,5 +171,6 @@ def open_lane(comm: Communicator, timeout: float) -> None:
     except WindowError as exc:
         comm.abort(f"rank {comm.rank}: could not open the same-host lane: {exc}")
         raise BrokenError(f"init on rank {comm.rank}: the same-host lane: {exc}") from exc
-    slots = NamedSlots(comm.rank, window.mine, window.peers) if named else None
+    mine, peers = window.mine, window.peers
+    slots = open_named(comm.rank, mine, peers, bool(native_named)) if named else None
     backend.open_lane(open_mailbox(comm.rank, window.mine, window.peers, bool(native)), slots)

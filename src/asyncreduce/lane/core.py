@@ -66,12 +66,14 @@ from ..samehost.mailbox import (
     header,
     supported,
 )
-from ..samehost.named import Found, NamedSlots, key_words
+from ..samehost.named import Found, NamedSlots, found_for, key_words
 from ..spin import SpinWindow
 from ..transport.frame import Descriptor
 from .named import NamedOps
 
 __all__ = ["Lane", "LaneOp", "lane_wanted"]
+
+_NOT_LOOKED: Found = found_for(0)
 
 _WAITER_SPIN = 2e-3  # how long a waiting thread moves the lane itself before it sleeps
 
@@ -104,7 +106,7 @@ class LaneOp:
         if key[0]:  # a named one: found by key (named.py)
             self.words = key_words(*key)
             self.slot = -1
-            self.found = Found()
+            self.found: Found = _NOT_LOOKED  # (``NamedOps.post`` gives it its own)
 
 
 class Lane:

@@ -33,7 +33,7 @@ from ..algorithms import Array, DType
 from ..keys import Key
 from ..request import Request
 from ..samehost.mailbox import AGREED, DIFFERENT, WAITING, SlotHeader
-from ..samehost.named import Found, KeyWords, NamedSlots, key_words
+from ..samehost.named import Found, KeyWords, NamedSlots, found_for, key_words
 
 if TYPE_CHECKING:
     from .core import LaneOp
@@ -73,7 +73,7 @@ class NamedOps:
         slot = self._publish(op.key, op.words, op.header, op.buf.flat)
         if slot < 0:
             return False
-        op.slot = slot
+        op.slot, op.found = slot, found_for(self.slots.world_size)
         self.pending[op.key] = op
         self._complete(op)
         return True
@@ -132,7 +132,7 @@ class NamedOps:
         ``adopt()``, whose request is returned: a peer not there within the spin (the lane
         moves it from then on), a peer that runs it elsewhere or disagrees (the engine
         decides), the lane closed. False: the lane cannot take it (run it on the engine)."""
-        words, found = key_words(*key), Found()
+        words, found = key_words(*key), found_for(self.slots.world_size)
         with self._lock:
             if self.closed_with is not None or key in self._running:
                 return False
@@ -146,10 +146,11 @@ class NamedOps:
         end, naps_from = now + spin, now + _SPIN_BEFORE_NAPS
         try:
             while True:
-                if now < naps_from:
-                    os.sched_yield()
-                else:
-                    time.sleep(_NAP)
+                if not self.slots.wait(found, end - now):  # (the native one spins in C)
+                    if now < naps_from:
+                        os.sched_yield()
+                    else:
+                        time.sleep(_NAP)
                 with self._lock:
                     state = self._settle_running(key, words, slot, found, head, flat, dtype, op)
                     if state == AGREED:
@@ -215,20 +216,14 @@ class NamedOps:
         self, words: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
         dtype: DType, op: str,
     ) -> int:  # fmt: skip
-        """Where every peer's slot holds the key: AGREED, ``out`` folded, the peers' slots
-        acknowledged; DIFFERENT, this rank's slot taken back; else WAITING."""
-        slots = self.slots
-        if not slots.find(words, found):
-            return WAITING
-        state = slots.state(found, head)
+        """``NamedSlots.settle``; then this rank's slot drains (AGREED) or is taken back
+        (DIFFERENT)."""
+        state = self.slots.settle(words, slot, found, head, out, dtype, op)
         if state == AGREED:
-            if not slots.fold(slot, found, out, dtype, op):
-                return WAITING  # a peer took its slot back meanwhile: look again
-            slots.ack(found)
-            slots.done(slot)
+            self.slots.done(slot)
             self.completed += 1
         elif state == DIFFERENT:
-            slots.withdraw(slot)
+            self.slots.withdraw(slot)
         return state
 
     def _hand_over(self, op: LaneOp) -> None:

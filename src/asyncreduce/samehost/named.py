@@ -23,14 +23,30 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from array import array
+from typing import TypeAlias
 
 import numpy as np
 
 from ..algorithms import Array
+from ..envvars import native_allowed
 from ..kernels.reduction import DType, fold_quietly
 from .mailbox import AGREED, DIFFERENT, HERE, SLOT_BYTES, WAITING, SlotHeader, region_bytes
 
-__all__ = ["MAX_RANKS", "NAMED_SLOTS", "NamedSlots", "Found", "key_words", "named_bytes"]
+try:
+    from .._named_core import NamedCore
+except ImportError:  # not built (no C compiler at set-up): the Python slots alone
+    NamedCore = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "MAX_RANKS",
+    "NAMED_SLOTS",
+    "Found",
+    "NamedSlots",
+    "found_for",
+    "key_words",
+    "named_bytes",
+]
 
 NAMED_SLOTS = 32  # named operations a rank may have in the lane at once
 MAX_RANKS = 256  # ranks a host's lane takes named operations for (each has a row of acks)
@@ -40,19 +56,18 @@ _COUNT = NAMED_SLOTS * _FIELDS  # the word after the headers: publishes and with
 _HEADS = (NAMED_SLOTS + 1) * _FIELDS * 8
 _ACKS = MAX_RANKS * NAMED_SLOTS * 8
 
+_AGREED_UNFOLDED = 3  # (the C core's word for AGREED where it left the fold to numpy)
+
 KeyWords = tuple[int, int, int]  # the name's hash (two words) and the instance
 
 
-class Found:
-    """Where one operation's key was found in each peer's slots (peer -> slot, generation),
-    and for a peer where it was not, that peer's count when it was looked for (``_COUNT``):
-    its slots are searched again only once the count moved."""
+Found: TypeAlias = "array[int]"  # per rank: its slot holding the key (-1: not found), that
+# slot's generation, and the rank's count when last looked for it in vain (-1: never)
 
-    __slots__ = ("at", "looked")
 
-    def __init__(self) -> None:
-        self.at: dict[int, tuple[int, int]] = {}
-        self.looked: dict[int, int] = {}
+def found_for(world_size: int) -> Found:
+    """A fresh ``Found`` for one operation."""
+    return array("q", (-1, 0, -1) * world_size)
 
 
 def named_bytes() -> int:
@@ -104,6 +119,7 @@ class NamedSlots:
         self._peers = {peer: _Named(raw) for peer, raw in sorted(peers.items())}
         self._every = {**self._peers, rank: self._mine}
         self._order = sorted(self._every)
+        self.world_size = len(self._order)
         self._generation = [0] * NAMED_SLOTS  # of each of this rank's slots, as published
         self._draining: set[int] = set()  # completed here: free once every peer acked
         self._used: set[int] = set()  # holding an operation still in the lane here
@@ -120,29 +136,37 @@ class NamedSlots:
         slot = self._free_slot(_preferred(key))
         if slot < 0:
             return -1
-        words, base = self._mine.words, slot * _FIELDS
         generation = self._generation[slot]
+        self._write(slot, generation, key, head, data)
+        self._generation[slot] = generation + 2
+        self._used.add(slot)
+        return slot
+
+    def _write(
+        self, slot: int, generation: int, key: KeyWords, head: SlotHeader, data: Array | None
+    ) -> None:
+        words, base = self._mine.words, slot * _FIELDS
         words[base] = generation + 1  # odd: being written
         if data is not None and data.nbytes:
             np.copyto(self._mine.data[slot][: data.nbytes], data.view(np.uint8))
         words[base + _STATE : base + _STATE + 6] = head
         words[base + _KEY], words[base + _KEY + 1], words[base + _KEY + 2] = key
-        self._generation[slot] = generation + 2
         words[base] = generation + 2  # then the count: a reader that sees it sees the rest
         words[_COUNT] += 1
-        self._used.add(slot)
-        return slot
 
     def withdraw(self, slot: int) -> None:
         """Take back ``slot``: its operation left the lane here (to the engine, or failed)."""
-        words, base = self._mine.words, slot * _FIELDS
         generation = self._generation[slot]
+        self._take_back(slot, generation)
+        self._generation[slot] = generation + 2
+        self._used.discard(slot)
+
+    def _take_back(self, slot: int, generation: int) -> None:
+        words, base = self._mine.words, slot * _FIELDS
         words[base] = generation + 1
         words[base + _STATE] = 0
-        self._generation[slot] = generation + 2
         words[base] = generation + 2
         words[_COUNT] += 1
-        self._used.discard(slot)
 
     def done(self, slot: int) -> None:
         """``slot``'s operation completed here: free once every peer is done with it."""
@@ -172,63 +196,68 @@ class NamedSlots:
 
     # ---- the peers' -------------------------------------------------------------------------
 
-    def find(self, key: KeyWords, found: Found) -> bool:
-        """Add to ``found`` each peer whose slots hold ``key`` now; True once all do. What
-        ``found`` holds already is checked still there (a taken-back slot is looked for anew)."""
-        complete = True
-        at, looked = found.at, found.looked
+    def settle(
+        self, key: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
+        dtype: DType, op: str,
+    ) -> int:  # fmt: skip
+        """Where every peer's slots hold ``key`` (``found`` remembers where): ``AGREED``
+        once ``out`` = every rank's contribution reduced with ``op`` in rank order (``slot``:
+        this rank's), as the engine would, and the peers' slots acknowledged; ``DIFFERENT``
+        where a peer's header is not ``head``; else ``WAITING`` (a peer not there yet, or one
+        that took its slot back while this rank read it: ``out`` is then this rank's
+        contribution again)."""
+        if not self._find(key, found):
+            return WAITING
         for peer, named in self._peers.items():
-            words = named.words
-            there = at.get(peer)
-            if there is not None:
-                if words[there[0] * _FIELDS] == there[1]:
+            base = found[3 * peer] * _FIELDS + _STATE
+            if named.words[base : base + 6] != head:
+                return DIFFERENT
+        return AGREED if self._fold_checked(slot, found, out, dtype, op) else WAITING
+
+    def wait(self, found: Found, seconds: float) -> bool:
+        """Spin for at most ``seconds`` until a peer not found yet published something. This
+        one never spins (False: the caller looks again); the native one does, without the
+        GIL."""
+        return False
+
+    def _find(self, key: KeyWords, found: Found) -> bool:
+        complete = True
+        for peer, named in self._peers.items():
+            words, at = named.words, 3 * peer
+            there = found[at]
+            if there >= 0:
+                if words[there * _FIELDS] == found[at + 1]:
                     continue
-                del at[peer]
+                found[at] = -1
             count = words[_COUNT]  # (read first: a publish after it moves it)
-            if looked.get(peer) == count:
+            if found[at + 2] == count:
                 complete = False
                 continue
             where = _search(words, key)
             if where is None:
-                looked[peer] = count
+                found[at + 2] = count
                 complete = False
             else:
-                at[peer] = where
+                found[at], found[at + 1] = where
         return complete
 
-    def state(self, found: Found, head: SlotHeader) -> int:
-        """``WAITING`` unless ``found`` has every peer; then ``AGREED`` if each one's header is
-        ``head`` (``HERE``, the same descriptor), else ``DIFFERENT``."""
-        if len(found.at) < len(self._peers):
-            return WAITING
-        for peer, (slot, _) in found.at.items():
-            base = slot * _FIELDS + _STATE
-            if self._peers[peer].words[base : base + 6] != head:
-                return DIFFERENT
-        return AGREED
-
-    def fold(self, slot: int, found: Found, out: Array, dtype: DType, op: str) -> bool:
-        """``out`` = every rank's contribution reduced with ``op`` in rank order (``slot``:
-        this rank's), as the engine would; False (``out`` put back to this rank's
-        contribution) where a peer took its slot back meanwhile."""
+    def _fold_checked(self, slot: int, found: Found, out: Array, dtype: DType, op: str) -> bool:
+        """Fold into ``out``; then, unless a peer took its slot back meanwhile (False: ``out``
+        put back), acknowledge the peers' slots."""
         nbytes = out.nbytes
         if nbytes:
-            at = {p: s for p, (s, _) in found.at.items()}
-            at[self.rank] = slot
-            parts = [self._every[r].data[at[r]][:nbytes] for r in self._order]
+            parts = [self._every[r].data[slot if r == self.rank else found[3 * r]][:nbytes]
+                     for r in self._order]  # fmt: skip
             fold_quietly(dtype, op, parts, out, len(self._order))
-        for peer, (there, generation) in found.at.items():
-            if self._peers[peer].words[there * _FIELDS] != generation:
+        for peer, named in self._peers.items():
+            if named.words[found[3 * peer] * _FIELDS] != found[3 * peer + 1]:
                 if nbytes:
                     np.copyto(out.view(np.uint8).reshape(-1), self._mine.data[slot][:nbytes])
                 return False
-        return True
-
-    def ack(self, found: Found) -> None:
-        """Tell each peer in ``found`` that this rank is done with its slot there."""
         acks = self._mine.acks
-        for peer, (slot, generation) in found.at.items():
-            acks[peer * NAMED_SLOTS + slot] = generation
+        for peer in self._peers:
+            acks[peer * NAMED_SLOTS + found[3 * peer]] = found[3 * peer + 1]
+        return True
 
     def missing(self, key: KeyWords) -> set[int]:
         """The peers whose slots do not hold ``key`` now."""
@@ -239,6 +268,55 @@ class NamedSlots:
         for named in self._every.values():
             named.release()
         self._peers, self._every = {}, {}
+
+
+class NativeNamedSlots(NamedSlots):
+    """``NamedSlots`` with its hot steps in C (``_named_core``): the same layout and results;
+    ``wait`` spins without the GIL. Only where every rank has it (``open_mailbox``'s rule)."""
+
+    def __init__(self, rank: int, mine: Array, peers: dict[int, Array]) -> None:
+        super().__init__(rank, mine, peers)
+        if NamedCore is None:
+            raise RuntimeError("asyncreduce._named_core was not built: use NamedSlots")
+        regions = [mine if r == rank else peers[r] for r in range(self.world_size)]
+        self._core = NamedCore(rank, regions, region_bytes(), NAMED_SLOTS, _FIELDS, _HEADS,
+                               _ACKS, SLOT_BYTES)  # fmt: skip
+
+    def _write(
+        self, slot: int, generation: int, key: KeyWords, head: SlotHeader, data: Array | None
+    ) -> None:
+        self._core.publish(slot, generation, head, *key, data)
+
+    def _take_back(self, slot: int, generation: int) -> None:
+        self._core.withdraw(slot, generation)
+
+    def settle(
+        self, key: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
+        dtype: DType, op: str,
+    ) -> int:  # fmt: skip
+        state = self._core.settle(*key, slot, found, head, out)
+        if state == _AGREED_UNFOLDED:  # a type or reduction C does not fold: numpy's
+            return AGREED if self._fold_checked(slot, found, out, dtype, op) else WAITING
+        return state  # type: ignore[no-any-return]
+
+    def wait(self, found: Found, seconds: float) -> bool:
+        return self._core.wait(found, seconds)  # type: ignore[no-any-return]
+
+    def release(self) -> None:
+        self._core.release()
+        super().release()
+
+
+def native_named_wanted() -> bool:
+    """Whether this rank can and would use ``NativeNamedSlots``: it was built, and
+    ASYNCREDUCE_NATIVE is not 0. Every rank must, or none does (each folds the same way)."""
+    return NamedCore is not None and native_allowed()
+
+
+def open_named(rank: int, mine: Array, peers: dict[int, Array], native: bool) -> NamedSlots:
+    """Rank ``rank``'s named slots over these regions: ``NativeNamedSlots`` if ``native``
+    (``native_named_wanted`` on every rank), else ``NamedSlots``."""
+    return (NativeNamedSlots if native else NamedSlots)(rank, mine, peers)
 
 
 def _preferred(key: KeyWords) -> int:

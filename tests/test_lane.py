@@ -161,7 +161,7 @@ def test_a_slot_is_reused_only_once_every_peer_is_through_it(kind: type[Mailbox]
     ahead = [lane_op(s, np.full(4, s, np.float64)) for s in range(2 * SLOTS)]
     for op in ahead:
         post(world.lanes[0], op)
-    assert world.lanes[0]._next == SLOTS  # published: the first SLOTS; the rest wait
+    assert world.lanes[0].unnamed._next == SLOTS  # published: the first SLOTS; the rest wait
     behind = [lane_op(s, np.full(4, 1000.0 * s, np.float64)) for s in range(2 * SLOTS)]
     for op in behind:
         post(world.lanes[1], op)
@@ -234,7 +234,9 @@ def test_run_folds_on_the_calling_thread_with_no_request(
     """A blocking allreduce on an idle lane: whether the peer published before or publishes
     while it spins (from another thread), ``run`` folds in rank order on the caller's thread
     and returns None, without adopting it (no request made); the next one can run so too."""
-    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 30.0)  # (a slow machine: no give-up)
+    monkeypatch.setattr(
+        "asyncreduce.lane.unnamed.WAITER_SPIN", 30.0
+    )  # (a slow machine: no give-up)
     world = World(2, kind)
     peer = [lane_op(s, np.full(4, 10.0 * (s + 1), np.float32)) for s in range(2)]
     post(world.lanes[1], peer[0])  # before
@@ -303,7 +305,7 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
     """The peer's contributions come one by one, each well within the spin but all together
     far past it: the waiter of the last one moves the lane to its end itself (no progress
     thread here), since each completion starts its spin again."""
-    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 0.2)
+    monkeypatch.setattr("asyncreduce.lane.core.WAITER_SPIN", 0.2)  # (drive's)
     world = World(2, kind)
     count = 20
     mine = [lane_op(s, np.full(2, float(s), np.float32)) for s in range(count)]
@@ -323,8 +325,9 @@ def test_a_waiter_drives_on_as_long_as_the_lane_moves(
     thread.join()
     assert time.monotonic() - started >= 0.3  # longer than one spin: it drove on
     assert mine[-1].request.done(), "the waiter gave up while the peer was still coming"
-    assert [op.request.result(timeout=0).tolist() for op in mine] == [[s + 10.0] * 2
-                                                                       for s in range(count)]
+    assert [op.request.result(timeout=0).tolist() for op in mine] == [
+        [s + 10.0] * 2 for s in range(count)
+    ]
 
 
 def test_an_operation_made_after_its_post_keeps_the_deadline_of_the_post() -> None:
@@ -344,7 +347,7 @@ def test_run_under_way_when_the_lane_closes_fails_with_the_close_error(
 ) -> None:
     """Another thread closes the lane while ``run`` spins: it ends at once, failed with the
     close's own error (the spin is long: only the close can end it in time)."""
-    monkeypatch.setattr("asyncreduce.lane.core._WAITER_SPIN", 30.0)  # (a close must end it)
+    monkeypatch.setattr("asyncreduce.lane.unnamed.WAITER_SPIN", 30.0)  # (a close must end it)
     world = World(2, kind)
     mine = lane_op(0, np.ones(2, np.float32))
     closing = threading.Timer(0.05, world.lanes[0].close, (lambda op: ar.BrokenError(op.label),))
@@ -454,11 +457,11 @@ def test_an_exception_in_run_after_it_published_leaves_the_operation_to_the_lane
         each.progress()
     for s, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         want = [3.0] * 2 if s == 0 else [11.0 * s] * 2
-        assert a.request.done() and b.request.done(), (s, lane._through, lane._next)
+        assert a.request.done() and b.request.done(), (s, lane.unnamed._through, lane.unnamed._next)
         assert a.request.result(timeout=0).tolist() == b.request.result(timeout=0).tolist() == want
     assert mine.buf.original.tolist() == [3.0] * 2  # (the caller's buffer: the result, late)
     assert not any(each.busy for each in world.lanes)
-    assert lane._through == world.lanes[1]._through == 2 * SLOTS + 1
+    assert lane.unnamed._through == world.lanes[1].unnamed._through == 2 * SLOTS + 1
 
 
 def _lane_of(comm: ar.Communicator) -> Lane | None:
@@ -579,8 +582,10 @@ def body_blocking_beside_large_ones(comm: ar.Communicator) -> dict[str, int]:
         try:
             names = [f"{prefix}{i}" for i in range(count)]
             random.Random(r).shuffle(names)
-            posted = [comm.iallreduce(np.full(floats, 1.0, np.float32), name=name, timeout=60)
-                      for name in names]  # fmt: skip  (posted in any order, then waited)
+            posted = [
+                comm.iallreduce(np.full(floats, 1.0, np.float32), name=name, timeout=60)
+                for name in names
+            ]  # fmt: skip  (posted in any order, then waited)
             assert all(float(q.wait()[-1]) == n for q in posted)
         except BaseException as exc:  # reported below: a thread's assert is not the test's
             failures.append(exc)
@@ -648,7 +653,8 @@ def body_interrupted_in_run(comm: ar.Communicator, error: str) -> dict[str, Any]
     stuck: dict[str, Any] = {}
 
     def note() -> None:  # (both ranks, before either aborts)
-        stuck.update(through=lane._through, next=lane._next, unpublished=sorted(lane._unpublished))
+        ops = lane.unnamed
+        stuck.update(through=ops._through, next=ops._next, unpublished=sorted(ops._unpublished))
 
     timers = [threading.Timer(4.8, note), threading.Timer(5.0, comm.abort, ("the lane is stuck",))]
     for timer in timers:
@@ -722,8 +728,13 @@ def body_barriers(comm: ar.Communicator) -> dict[str, Any]:
             comm.barrier(timeout=20, name="b" if how == "named" else None)
         left.append(time.time())
     x = comm.allreduce(np.full(3, comm.rank + 1.0, np.float32))  # the lane still in step
-    return {"entered": entered, "left": left, "lane": lane.completed - before,
-            "converted": lane.converted, "sum": x.tolist()}
+    return {
+        "entered": entered,
+        "left": left,
+        "lane": lane.completed - before,
+        "converted": lane.converted,
+        "sum": x.tolist(),
+    }
 
 
 @pytest.mark.parametrize("native", [pytest.param("1", marks=NATIVE), "0"], ids=["native", "python"])
@@ -760,7 +771,7 @@ def body_differs(comm: ar.Communicator, what: str) -> str:
 
 @pytest.mark.parametrize("what", ["size", "dtype", "count", "barrier", "empty"])
 def test_a_rank_that_differs_fails_every_rank_with_a_mismatch(what: str) -> None:
-    """"size": rank 1's allreduce is too large for the lane, so it runs on the engine while
+    """ "size": rank 1's allreduce is too large for the lane, so it runs on the engine while
     rank 0's is in the lane; "dtype", "count": both in the lane, described differently;
     "barrier", "empty": a barrier against an allreduce (of nothing, for "empty"), both in
     the lane."""
@@ -902,7 +913,9 @@ def body_mailbox_kind(comm: ar.Communicator) -> str:
 def test_one_rank_without_the_c_mailbox_makes_every_rank_fold_in_python() -> None:
     """So every rank folds with the same code (the same bits, whatever the compiler did)."""
     assert run_ranks(2, body_mailbox_kind, rank_env={1: {"ASYNCREDUCE_NATIVE": "0"}}) == {
-        0: "Mailbox", 1: "Mailbox"}
+        0: "Mailbox",
+        1: "Mailbox",
+    }
     assert run_ranks(2, body_mailbox_kind) == {0: "NativeMailbox", 1: "NativeMailbox"}
 
 

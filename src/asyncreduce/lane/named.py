@@ -36,7 +36,7 @@ from ..samehost.mailbox import AGREED, DIFFERENT, WAITING, SlotHeader
 from ..samehost.named import Found, KeyWords, NamedSlots, found_for, key_words
 
 if TYPE_CHECKING:
-    from .core import LaneOp
+    from .op import LaneOp, Shell
 
 __all__ = ["NamedOps"]
 
@@ -53,7 +53,7 @@ class NamedOps:
 
     def __init__(
         self, slots: NamedSlots, lock: threading.Lock, convert: Callable[[LaneOp], None],
-        mover: Any,
+        mover: Shell,
     ) -> None:  # fmt: skip
         """``lock``: the lane's; ``convert``: hand an operation to the engine (it tells the
         peers so); ``mover``: the lane, which moves a request of its own (``Request.mover``)."""

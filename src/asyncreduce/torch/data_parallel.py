@@ -12,18 +12,21 @@ operations however its graph looked:
   named after the bucket) as soon as all its parameters are ready; the final callback posts
   the buckets this rank's graph did not complete (unused parameters send zeros, flag 0).
 * What then happens is the mode (modes/), a policy object the wrapper composes at a few
-  hooks. ``blocking`` and ``backward`` wait in the final callback, so every ``p.grad`` holds
-  the average when ``backward()`` returns (the DDP way). ``forward`` and ``double_buffer``
-  wait for nothing (``step()`` closes the step) and apply the updates later: each layer's in
-  its forward pre-hook, or all of them one step stale. In those two modes ``p.grad`` still
-  holds this rank's own gradient after backward, and changing it before ``step()`` is an
-  error (what was sent would differ).
+  hooks; each hook is handed the wrapper's ``Reducer`` (reducer.py: the buckets, the
+  optimizer, the stats, posting and waiting), never the wrapper. ``blocking`` and
+  ``backward`` wait in the final callback, so every ``p.grad`` holds the average when
+  ``backward()`` returns (the DDP way). ``forward`` and ``double_buffer`` wait for nothing
+  (``step()`` closes the step) and apply the updates later: each layer's in its forward
+  pre-hook, or all of them one step stale. In those two modes ``p.grad`` still holds this
+  rank's own gradient after backward, and changing it before ``step()`` is an error (what
+  was sent would differ).
 * Accumulation: gradients accumulate in ``p.grad`` as usual. Each synced pass sends the whole
   accumulated gradient; a later pass of the same step supersedes an earlier one (its result is
   waited for and dropped). Since averaging is linear this gives what DDP gives: the sum over
   passes of the averages. Inside ``no_sync()`` nothing is sent.
 * ``optimizer`` (optimizer.py) is the one torch optimizer over every parameter; ``step()`` of
-  the wrapper and of ``model.optimizer`` are the same call. Buffers follow DDP (replicas.py).
+  the wrapper and of ``model.optimizer`` are the same call. Buffers follow DDP (replicas.py);
+  the updates still pending go into a checkpoint through ``wrapper_state_dict`` (checkpoint.py).
 
 Devices. A bucket holds parameters of one device and dtype: CPU buckets are reduced in place,
 CUDA buckets through a pinned host twin (buckets.py, staging.py); every wait is a request
@@ -44,15 +47,15 @@ from torch.autograd import Variable
 
 from ..comm import Communicator
 from ..errors import ClosedError, UsageError
-from ..request import Request
 from ..trace import Timeline
-from .buckets import Bucket, Update, build_buckets
+from .buckets import Bucket, build_buckets
+from .checkpoint import load_pending_state, pending_state
 from .join import Joining
 from .modes import MODES, mode_for
 from .optimizer import DataParallelOptimizer
+from .reducer import Reducer
 from .replicas import BufferSync, broadcast_tensors, check_same_everywhere
 from .staging import stager_for
-from .stats import CommStats
 
 __all__ = ["DataParallel", "MODES"]
 
@@ -88,21 +91,16 @@ class DataParallel(nn.Module):
         self.module = module
         self.mode = mode
         self._mode = mode_for(mode)  # what the mode does at each hook (modes/)
-        self.timeline = timeline
         self._comm = comm
         self._sync = True
-        self._generation = 0  # steps closed so far (double_buffer alternates buffers by it)
-        self._pass = 0  # synced backward passes so far
         self._pass_open = False  # a synced pass is running: its final callback is queued
         self._passes = 0  # synced passes in this step
         self._forward_end = 0.0
-        self._stats = CommStats()
         self._closed = False
         self._joining = Joining(self)
         named = list(module.named_parameters())  # frozen ones too: DDP syncs those as well
-        self._params = [p for _, p in named if p.requires_grad]
-        self._names = {id(p): n for n, p in named}
-        for device in {p.device for p in self._params}:
+        params = [p for _, p in named if p.requires_grad]
+        for device in {p.device for p in params}:
             stager_for(comm, device)  # a device we cannot communicate from fails here, clearly
         self._prefix = _next_prefix(comm)  # wrappers are built in the same order on every rank
         check_same_everywhere(comm, named, "parameter")
@@ -111,8 +109,9 @@ class DataParallel(nn.Module):
         if broadcast_buffers:
             check_same_everywhere(comm, list(module.named_buffers()), "buffer")
             broadcast_tensors(comm, self._buffer_sync.buffers(), f"{self._prefix}.buffers-init")
-        self._buckets = self._make_buckets(self._params, bucket_bytes)
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        groups = self._mode.groups(module, params, bucket_bytes)
+        priorities = [self._mode.priority(i, len(groups)) for i in range(len(groups))]
+        buckets = build_buckets(comm, self._prefix, groups, priorities, self._mode.copies)
         self.optimizer = DataParallelOptimizer(
             _made(optimizer(list(module.parameters()))),
             weakref.WeakMethod(self._step),
@@ -125,16 +124,35 @@ class DataParallel(nn.Module):
                 f"{type(self.optimizer.inner).__name__} needs all gradients at once, so it "
                 f"cannot step layer by layer in mode={mode!r}; use mode='backward'"
             )
-        self._hooks = self._install_hooks()
-        weakref.finalize(self, _remove_all, self._hooks)
+        self._reducer = Reducer(
+            module=module,
+            optimizer=self.optimizer,
+            mode=mode,
+            comm=comm,
+            params=params,
+            names={id(p): n for n, p in named},
+            buckets=buckets,
+            timeline=timeline,
+        )
+        self._reducer.hooks.extend(self._install_hooks())
+        weakref.finalize(self, _remove_all, self._reducer.hooks)
         _WRAPPED[module] = weakref.ref(self)
 
-    # ---- set-up ------------------------------------------------------------------------------
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where forward, backward, every allreduce and every wait are recorded (None: not)."""
+        return self._reducer.timeline
 
-    def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-        groups = self._mode.groups(self.module, params, bucket_bytes)
-        priorities = [self._mode.priority(i, len(groups)) for i in range(len(groups))]
-        return build_buckets(self._comm, self._prefix, groups, priorities, self._mode.copies)
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._reducer.timeline = timeline
+
+    @property
+    def _buckets(self) -> list[Bucket]:
+        """The buckets (tests and benchmarks count them)."""
+        return self._reducer.buckets
+
+    # ---- set-up ------------------------------------------------------------------------------
 
     def _install_hooks(self) -> list[Any]:
         me = weakref.ref(self)  # hooks must not keep the wrapper alive (close on collection)
@@ -146,9 +164,9 @@ class DataParallel(nn.Module):
 
         hooks: list[Any] = [
             p.register_post_accumulate_grad_hook(grad_ready)  # type: ignore[no-untyped-call]
-            for p in self._params
+            for p in self._reducer.params
         ]
-        return hooks + self._mode.install_hooks(self)
+        return hooks + self._mode.install_hooks(self._reducer)
 
     # ---- the training loop ---------------------------------------------------------------------
 
@@ -160,7 +178,7 @@ class DataParallel(nn.Module):
         if self._joining.active:
             root = self._joining.notify(self._buffer_sync.due, self._sync)
         self._buffer_sync.before_forward(root)
-        settle = self._mode.watch_forward(self)
+        settle = self._mode.watch_forward(self._reducer)
         try:
             out = self.module(*args, **kwargs)
         finally:
@@ -191,9 +209,9 @@ class DataParallel(nn.Module):
         if closure is None and self._passes == 0:
             self._open_pass()  # no synced backward this step: send what there is (maybe none)
             self._end_pass()
-        result = self._mode.step(self, closure)
-        self._clear_gradients()
-        self._generation += 1
+        result = self._mode.step(self._reducer, closure)
+        self._reducer.clear_gradients()
+        self._reducer.generation += 1
         self._passes = 0
         if self.timeline is not None:
             self.timeline.add("step", "train", started, time.perf_counter())
@@ -203,7 +221,7 @@ class DataParallel(nn.Module):
         """Apply every pending update: parameters are final (evaluation, the end of training;
         for a checkpoint that resumes exactly, see ``wrapper_state_dict``)."""
         self._check_open("synchronize")
-        self._mode.synchronize(self)
+        self._mode.synchronize(self._reducer)
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
@@ -222,15 +240,16 @@ class DataParallel(nn.Module):
 
     def _shadow_backward(self) -> None:
         """join(): the synced backward pass of the ranks still training, with zeros here."""
-        saved = [p.grad for p in self._params]
-        self._clear_gradients()
+        reducer = self._reducer
+        saved = [p.grad for p in reducer.params]
+        reducer.clear_gradients()
         self._open_pass()
         self._end_pass()  # every bucket posted with flag 0; blocking/backward wait here
-        for bucket in self._buckets:
+        for bucket in reducer.buckets:
             update, bucket.inflight = bucket.inflight, None
             if update is not None:
-                self._gradients(bucket, update)
-        for p, g in zip(self._params, saved, strict=True):
+                reducer.gradients(bucket, update)
+        for p, g in zip(reducer.params, saved, strict=True):
             p.grad = g
         self._passes = 0
 
@@ -247,9 +266,9 @@ class DataParallel(nn.Module):
         """Seconds of communication the training thread was exposed to (``exposed_s``; in
         blocking mode all of it), seconds any allreduce was in flight (``comm_s``), and
         ``hidden_share``; ``reset``: start counting afresh after this call."""
-        snapshot = self._stats.snapshot()
+        snapshot = self._reducer.stats.snapshot()
         if reset:
-            self._stats.reset()
+            self._reducer.stats.reset()
         return snapshot
 
     def close(self) -> None:
@@ -258,7 +277,7 @@ class DataParallel(nn.Module):
         if self._closed:
             return
         self._closed = True
-        _remove_all(self._hooks)
+        _remove_all(self._reducer.hooks)
         owner = _WRAPPED.get(self.module)
         if owner is not None and owner() is self:
             del _WRAPPED[self.module]
@@ -271,40 +290,12 @@ class DataParallel(nn.Module):
         ``model.optimizer.state_dict()`` saved at the same point, a run resumed from the three
         continues exactly where this one goes on. Waits for the pending allreduces."""
         self._check_open("wrapper_state_dict")
-        pending: dict[str, torch.Tensor | None] = {}
-        hyper = None
-        for b in self._buckets:
-            if b.update is None:
-                continue
-            grads = self._gradients(b, b.update)
-            hyper = b.update.hyper if b.update.hyper is not None else hyper
-            for p, g in zip(b.params, grads, strict=True):
-                pending[self._names[id(p)]] = None if g is None else g.detach().clone()
-        return {"mode": self.mode, "pending": pending, "hyper": hyper}
+        return pending_state(self._reducer)
 
     def load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``wrapper_state_dict`` saved, before the first step of the resumed run."""
         self._check_open("load_wrapper_state_dict")
-        pending: dict[str, torch.Tensor | None] = state.get("pending", {})
-        if not pending:
-            return
-        if state.get("mode") != self.mode:
-            raise UsageError(
-                f"this checkpoint holds updates still pending in mode={state.get('mode')!r}; "
-                f"they cannot be applied in mode={self.mode!r}. Call synchronize() before "
-                "saving to move a run between modes"
-            )
-        if any(b.update is not None or b.inflight is not None for b in self._buckets):
-            raise UsageError("load_wrapper_state_dict must come before the first backward")
-        unknown = set(pending) - {self._names[id(p)] for p in self._params}
-        if unknown:
-            raise UsageError(f"the checkpoint's pending updates name {sorted(unknown)}, "
-                             "which this model's trainable parameters do not")  # fmt: skip
-        for b in self._buckets:
-            names = [self._names[id(p)] for p in b.params]
-            if any(n in pending for n in names):
-                grads = [_restored(pending.get(n), p) for n, p in zip(names, b.params, strict=True)]
-                b.update = Update(None, None, grads, state.get("hyper"))
+        load_pending_state(self._reducer, state)
 
     # ---- backward passes -------------------------------------------------------------------------
 
@@ -314,18 +305,16 @@ class DataParallel(nn.Module):
         if not self._pass_open:
             self._open_pass()
             Variable._execution_engine.queue_callback(self._end_pass)
-        bucket = self._bucket_of[id(param)]
+        bucket = self._reducer.bucket_of[id(param)]
         if bucket.update is not None:
-            self._mode.used_while_pending(self, param)
+            self._mode.used_while_pending(self._reducer, param)
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params) and self._mode.posts_early:
-            self._post(bucket)
+            self._mode.post(self._reducer, bucket)
 
     def _open_pass(self) -> None:
         self._pass_open = True
-        self._pass += 1
-        for bucket in self._buckets:
-            bucket.ready.clear()  # a backward that raised may have left some
+        self._reducer.open_pass()
 
     def _end_pass(self) -> None:
         """The end of a synced backward pass: what the mode does then (``Mode.end_pass``:
@@ -333,54 +322,7 @@ class DataParallel(nn.Module):
         and put them in ``p.grad``)."""
         self._pass_open = False
         self._passes += 1
-        self._mode.end_pass(self)
-
-    def _post_unsent(self) -> None:
-        """Every bucket not sent in this pass, sent now."""
-        for bucket in self._buckets:
-            if bucket.posted_pass != self._pass:
-                self._post(bucket)
-
-    def _post(self, bucket: Bucket) -> None:
-        """Pack the bucket's gradients (zeros, flag 0, where None) and send them."""
-        if bucket.update is not None:
-            self._mode.before_post(self, bucket)
-        if bucket.inflight is not None:  # an earlier pass of this step: superseded
-            self._gradients(bucket, bucket.inflight)  # its buffer is reused: wait for it
-        flat, flags = bucket.flat(self._generation), bucket.flags(self._generation)
-        lacking = bucket.pack(flat, flags)
-        request: Request[Any]
-        if bucket.stager is None:
-            request = self._comm.iallreduce(flat, "sum", name=bucket.name, priority=bucket.priority)
-        else:
-            host = bucket.host(self._generation)
-            request = bucket.stager.iallreduce(
-                flat, host, "sum", name=bucket.name, priority=bucket.priority
-            )
-        bucket.inflight = Update(request, flat, flags=flags if lacking else None)
-        bucket.posted_pass = self._pass
-        bucket.ready.clear()
-
-    # ---- applying updates ------------------------------------------------------------------------
-
-    def _gradients(self, bucket: Bucket, update: Update) -> list[torch.Tensor | None]:
-        """The update's averaged gradients, waiting for its allreduce (timed as exposed)."""
-        request = update.request
-        if update.grads is None and request is not None:
-            with self._stats.exposed():
-                started = time.perf_counter()
-                request.wait()
-                ended = time.perf_counter()
-            self._stats.completed(request)
-            if self.timeline is not None:
-                self.timeline.add(f"wait {bucket.name}", "train", started, ended)
-                end = request.completed_at or ended
-                self.timeline.add(f"allreduce {bucket.name}", "comm", request.posted_at, end)
-        return update.gradients(bucket, self._comm.world_size)
-
-    def _clear_gradients(self) -> None:
-        for p in self._params:
-            p.grad = None
+        self._mode.end_pass(self._reducer)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -415,15 +357,6 @@ def _made(optimizer: Any) -> torch.optim.Optimizer:
             "not a torch.optim.Optimizer"
         )
     return optimizer
-
-
-def _restored(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor | None:
-    if grad is None:
-        return None
-    if grad.shape != param.shape:
-        raise UsageError(f"a pending update of shape {tuple(grad.shape)} for a parameter of "
-                         f"shape {tuple(param.shape)}: not this model's checkpoint")  # fmt: skip
-    return grad.to(device=param.device, dtype=param.dtype)
 
 
 def _remove_all(hooks: list[Any]) -> None:

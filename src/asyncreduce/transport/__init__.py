@@ -6,7 +6,9 @@ and the ``FrameSink`` it reports to). Under it:
     frame.py     the frame format, its checks, and FrameReader (bytes in, frames out; no socket)
     mesh.py      building the connections: every pair of ranks, authenticated, once at init
     listener.py  the authenticated accept loop shared by the mesh and the rendezvous store
-    tcp.py       TcpTransport: sending (priority heap, batching), receiving, closing handshake
+    tcp.py       TcpTransport: its connections and their loop, closing handshake
+    sending.py   its sending side: a priority heap per connection, writes in batches
+    receiving.py its receiving side: frames read off each connection, handed to the sink
     connection.py  what TcpTransport keeps per connection (queued frames, the stream in)
     arena.py     large payloads to same-host ranks through their shared-memory arenas (the
                  arenas themselves: samehost/shm.py), CREDIT returning the space

@@ -21,7 +21,7 @@ __all__ = ["Connection", "Outgoing", "receive_buffer"]
 
 _STAGE_BYTES = (64 << 10) + HEADER.size + MAX_NAME_BYTES  # (a small allreduce's frame, whole:
 # SMALL_ALLREDUCE_BYTES; a direct run takes it from here: TcpTransport.swaps and take_frame)
-_LOWAT_BYTES = 512 << 10  # the most of a payload's rest to wait for before waking (tcp.py)
+_LOWAT_BYTES = 512 << 10  # the most of a payload's rest to wait for before waking (receiving.py)
 
 
 @dataclass(order=True)

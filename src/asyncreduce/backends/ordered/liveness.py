@@ -8,7 +8,7 @@ the communicator breaks. An operation posted with a ``timeout`` fails everywhere
 deadline passes. One still not agreed after ASYNCREDUCE_STALL_WARNING seconds gives a
 warning (once per that many seconds), naming the ranks that have not posted it; the last 100
 are kept in ``stall_reports``. This module keeps the clocks and says what is due; the engine
-acts on it (engine.py).
+acts on it (engine.py), and its failure path ends what must end (failure.py).
 """
 
 from __future__ import annotations

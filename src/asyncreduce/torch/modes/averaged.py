@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .base import Mode, Replica
+from ..reducer import Reducer
+from .base import Mode
 
 __all__ = ["Backward", "Blocking"]
 
@@ -26,17 +27,17 @@ class Backward(Mode):
     name = "backward"
     averaged_in_backward = True
 
-    def end_pass(self, dp: Replica) -> None:
-        super().end_pass(dp)
-        for bucket in dp._buckets:
+    def end_pass(self, reducer: Reducer) -> None:
+        super().end_pass(reducer)
+        for bucket in reducer.buckets:
             update, bucket.inflight = bucket.inflight, None
             if update is not None:
-                grads = dp._gradients(bucket, update)
+                grads = reducer.gradients(bucket, update)
                 for p, g in zip(bucket.params, grads, strict=True):
                     p.grad = g
 
-    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
-        return dp.optimizer.step_inner(closure)
+    def step(self, reducer: Reducer, closure: Callable[[], float] | None) -> Any:
+        return reducer.optimizer.step_inner(closure)
 
 
 class Blocking(Backward):
@@ -45,6 +46,6 @@ class Blocking(Backward):
     name = "blocking"
     posts_early = False
 
-    def end_pass(self, dp: Replica) -> None:
-        with dp._stats.exposed():
-            super().end_pass(dp)
+    def end_pass(self, reducer: Reducer) -> None:
+        with reducer.stats.exposed():
+            super().end_pass(reducer)

@@ -6,10 +6,11 @@ is the policy around that machinery, as a c10d communication hook is around DDP'
 how parameters are grouped into buckets, whether a complete bucket is posted at once or at
 the end of the pass, what happens when the pass ends (wait, or not), what ``step()`` does,
 and what ``synchronize()`` still has to apply. ``Mode`` holds the hooks and what most modes
-do; each mode overrides only what makes it that mode. A mode keeps no reference to its
-wrapper: every hook is handed the wrapper (c10d's ``state``), so a mode never keeps one alive.
-The two modes that apply updates after ``step()`` (forward, double_buffer) close a step with
-``refuse_changed_gradients`` and ``make_pending``.
+do; each mode overrides only what makes it that mode. Every hook is handed the wrapper's
+``Reducer`` (reducer.py; c10d's ``state``): the buckets, the optimizer, the stats and the
+mechanics of posting and waiting, as public fields and methods. A mode keeps no strong
+reference to it, and never sees the wrapper. The two modes that apply updates after ``step()``
+(forward, double_buffer) close a step with ``refuse_changed_gradients`` and ``make_pending``.
 
 Hot path: ``posts_early`` is read once per parameter per synced backward;
 ``used_while_pending`` and ``before_post`` are called only for a bucket that still holds the
@@ -19,42 +20,17 @@ update of an earlier step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ...errors import UsageError
 from ..buckets import Bucket, Group, Update, size_groups
-from ..optimizer import DataParallelOptimizer, Hyper
-from ..stats import CommStats
+from ..optimizer import Hyper
+from ..reducer import Reducer
 
-__all__ = ["Mode", "Replica", "make_pending", "refuse_changed_gradients"]
-
-
-class Replica(Protocol):
-    """All a mode may use of the wrapper it serves (DataParallel is one): a protocol, so the
-    modes never import the wrapper that picks them."""
-
-    module: nn.Module
-    optimizer: DataParallelOptimizer
-    mode: str
-    _buckets: list[Bucket]
-    _names: dict[int, str]  # id(parameter) -> its name
-    _hooks: list[Any]  # removed with the wrapper's
-    _stats: CommStats
-
-    def _gradients(self, bucket: Bucket, update: Update) -> list[torch.Tensor | None]:
-        """The averaged gradients of ``bucket``'s parameters, once ``update`` arrived."""
-        ...
-
-    def _clear_gradients(self) -> None:
-        """Set every parameter's gradient to None."""
-        ...
-
-    def _post_unsent(self) -> None:
-        """Send every bucket not sent in this backward pass."""
-        ...
+__all__ = ["Mode", "make_pending", "refuse_changed_gradients"]
 
 
 class Mode:
@@ -74,53 +50,61 @@ class Mode:
         """The allreduce priority of bucket ``index`` of ``count``: all the same."""
         return 0
 
-    def install_hooks(self, dp: Replica) -> list[Any]:
+    def install_hooks(self, reducer: Reducer) -> list[Any]:
         """Hooks of the mode's own, removed with the wrapper's: none."""
         return []
 
-    def watch_forward(self, dp: Replica) -> Callable[[], None] | None:
+    def watch_forward(self, reducer: Reducer) -> Callable[[], None] | None:
         """Called before a forward; what it returns is called after it: nothing."""
         return None
 
-    def used_while_pending(self, dp: Replica, param: torch.Tensor) -> None:
+    def used_while_pending(self, reducer: Reducer, param: torch.Tensor) -> None:
         """A gradient arrived for a bucket whose update of an earlier step is pending: fine."""
 
-    def before_post(self, dp: Replica, bucket: Bucket) -> None:
+    def before_post(self, reducer: Reducer, bucket: Bucket) -> None:
         """A bucket whose update of an earlier step is pending is about to be sent: nothing."""
 
-    def end_pass(self, dp: Replica) -> None:
-        """The end of a synced backward pass: every bucket not sent in it is sent now."""
-        dp._post_unsent()
+    def post(self, reducer: Reducer, bucket: Bucket) -> None:
+        """Send ``bucket`` (its gradients are complete, or the pass ended); one whose update
+        of an earlier step is pending goes through ``before_post`` first."""
+        if bucket.update is not None:
+            self.before_post(reducer, bucket)
+        reducer.post(bucket)
 
-    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
+    def end_pass(self, reducer: Reducer) -> None:
+        """The end of a synced backward pass: every bucket not sent in it is sent now."""
+        for bucket in reducer.unsent():
+            self.post(reducer, bucket)
+
+    def step(self, reducer: Reducer, closure: Callable[[], float] | None) -> Any:
         """``step()``'s work before the gradients are cleared; returns what ``step()`` does."""
         raise NotImplementedError
 
-    def synchronize(self, dp: Replica) -> None:
+    def synchronize(self, reducer: Reducer) -> None:
         """Apply every pending update: none is left pending."""
 
 
-def make_pending(dp: Replica, hyper: Hyper | None) -> list[Update | None]:
+def make_pending(reducer: Reducer, hyper: Hyper | None) -> list[Update | None]:
     """forward, double_buffer: ``step()`` closes the step, whose posts become the pending
     updates (with ``hyper``, the hyper-parameters to apply them with); returns the updates
     that were pending until now."""
-    previous = [b.update for b in dp._buckets]
-    for b in dp._buckets:
+    previous = [b.update for b in reducer.buckets]
+    for b in reducer.buckets:
         b.update, b.inflight = b.inflight, None
         if b.update is not None:
             b.update.hyper = hyper
     return previous
 
 
-def refuse_changed_gradients(dp: Replica) -> None:
+def refuse_changed_gradients(reducer: Reducer) -> None:
     """forward, double_buffer, in ``step()``: a gradient changed since it was sent is an
     error, since the change would be lost."""
-    for bucket in dp._buckets:
+    for bucket in reducer.buckets:
         param = bucket.changed()
         if param is not None:
             raise UsageError(
-                f"the gradient of {dp._names[id(param)]!r} changed after backward sent it "
-                f"(by clip_grad_norm_, zero_grad, an assignment, ...): mode={dp.mode!r} "
+                f"the gradient of {reducer.names[id(param)]!r} changed after backward sent it "
+                f"(by clip_grad_norm_, zero_grad, an assignment, ...): mode={reducer.mode!r} "
                 "sends each gradient as backward produces it, so the change would be lost. "
                 "Use mode='backward' or 'blocking', where p.grad holds the average once "
                 "backward() returns and may be changed before step()"

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..buckets import Update
-from .base import Mode, Replica, make_pending, refuse_changed_gradients
+from ..reducer import Reducer
+from .base import Mode, make_pending, refuse_changed_gradients
 
 __all__ = ["DoubleBuffer"]
 
@@ -26,27 +27,27 @@ class DoubleBuffer(Mode):
     name = "double_buffer"
     copies = 2
 
-    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
-        refuse_changed_gradients(dp)
-        previous = make_pending(dp, None)
-        dp._clear_gradients()
-        _apply_all(dp, previous)  # the previous step's gradients: one step stale
+    def step(self, reducer: Reducer, closure: Callable[[], float] | None) -> Any:
+        refuse_changed_gradients(reducer)
+        previous = make_pending(reducer, None)
+        reducer.clear_gradients()
+        _apply_all(reducer, previous)  # the previous step's gradients: one step stale
         return None
 
-    def synchronize(self, dp: Replica) -> None:
-        pending = [b.update for b in dp._buckets]
-        for b in dp._buckets:
+    def synchronize(self, reducer: Reducer) -> None:
+        pending = [b.update for b in reducer.buckets]
+        for b in reducer.buckets:
             b.update = None
-        _apply_all(dp, pending)
+        _apply_all(reducer, pending)
 
 
-def _apply_all(dp: Replica, updates: list[Update | None]) -> None:
+def _apply_all(reducer: Reducer, updates: list[Update | None]) -> None:
     """One optimizer step over these updates (the gradients cleared before)."""
     if not any(u is not None for u in updates):
         return
-    for bucket, update in zip(dp._buckets, updates, strict=True):
+    for bucket, update in zip(reducer.buckets, updates, strict=True):
         if update is not None:
-            for p, g in zip(bucket.params, dp._gradients(bucket, update), strict=True):
+            for p, g in zip(bucket.params, reducer.gradients(bucket, update), strict=True):
                 p.grad = g
-    dp.optimizer.step_inner()
-    dp._clear_gradients()
+    reducer.optimizer.step_inner()
+    reducer.clear_gradients()

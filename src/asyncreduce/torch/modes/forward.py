@@ -28,7 +28,8 @@ from torch import nn
 
 from ...errors import UsageError
 from ..buckets import Bucket, Group, layer_groups
-from .base import Mode, Replica, make_pending, refuse_changed_gradients
+from ..reducer import Reducer
+from .base import Mode, make_pending, refuse_changed_gradients
 
 __all__ = ["Forward", "apply_update"]
 
@@ -48,17 +49,17 @@ class Forward(Mode):
     def priority(self, index: int, count: int) -> int:
         return count - index  # nearest the input first
 
-    def install_hooks(self, dp: Replica) -> list[Any]:
-        me = weakref.ref(dp)  # hooks must not keep the wrapper alive (close on collection)
-        holders = _holders(dp.module)
+    def install_hooks(self, reducer: Reducer) -> list[Any]:
+        me = weakref.ref(reducer)  # hooks must not keep its buffers alive past the wrapper
+        holders = _holders(reducer.module)
         hooks = []
-        for bucket in dp._buckets:
+        for bucket in reducer.buckets:
             modules = {id(m): m for p in bucket.params for m in holders[id(p)]}
             for module in modules.values():
                 hooks.append(_hook_layer(module, _LayerHook(me, bucket)))
         return hooks
 
-    def watch_forward(self, dp: Replica) -> Callable[[], None] | None:
+    def watch_forward(self, reducer: Reducer) -> Callable[[], None] | None:
         """The first forward: note which modules run. A layer whose parameters are used by
         its parent without the layer itself running gets its update from the pre-hook of the
         nearest ancestor that ran instead."""
@@ -67,62 +68,62 @@ class Forward(Mode):
         self._first_forward = False
         ran: set[int] = set()
         watching = [m.register_forward_pre_hook(lambda m, a: ran.add(id(m)))
-                    for m in dp.module.modules()]  # fmt: skip
-        me = weakref.ref(dp)
+                    for m in reducer.module.modules()]  # fmt: skip
+        me = weakref.ref(reducer)
 
         def settle() -> None:
             for hook in watching:
                 hook.remove()
-            parents = _parents(dp.module)
-            holders = _holders(dp.module)
-            for bucket in dp._buckets:
+            parents = _parents(reducer.module)
+            holders = _holders(reducer.module)
+            for bucket in reducer.buckets:
                 layers = {id(m): m for p in bucket.params for m in holders[id(p)]}
                 if ran & set(layers):
                     continue
                 ancestor = next(iter(layers.values()))
                 while id(ancestor) not in ran and id(ancestor) in parents:
                     ancestor = parents[id(ancestor)]
-                dp._hooks.append(_hook_layer(ancestor, _LayerHook(me, bucket)))
+                reducer.hooks.append(_hook_layer(ancestor, _LayerHook(me, bucket)))
 
         return settle
 
-    def used_while_pending(self, dp: Replica, param: torch.Tensor) -> None:
+    def used_while_pending(self, reducer: Reducer, param: torch.Tensor) -> None:
         raise UsageError(
-            f"{dp._names[id(param)]!r} was used in this forward while the update of its "
+            f"{reducer.names[id(param)]!r} was used in this forward while the update of its "
             "last step was still pending: mode='forward' applies a layer's update just "
             "before that layer (the module that owns the parameter) runs, and it did not "
             "run before this use. Use the parameter only inside its own module's forward, "
             "or use mode='backward'"
         )
 
-    def before_post(self, dp: Replica, bucket: Bucket) -> None:
-        apply_update(dp, bucket)  # its layer did not run since its last step
+    def before_post(self, reducer: Reducer, bucket: Bucket) -> None:
+        apply_update(reducer, bucket)  # its layer did not run since its last step
 
-    def step(self, dp: Replica, closure: Callable[[], float] | None) -> Any:
+    def step(self, reducer: Reducer, closure: Callable[[], float] | None) -> Any:
         """This step's gradients become the pending updates, with the hyper-parameters in
         force now (the previous ones were all applied before their buckets were sent again)."""
-        refuse_changed_gradients(dp)
-        previous = make_pending(dp, dp.optimizer.snapshot())
+        refuse_changed_gradients(reducer)
+        previous = make_pending(reducer, reducer.optimizer.snapshot())
         assert not any(previous), "forward mode left an update unapplied"
         return None
 
-    def synchronize(self, dp: Replica) -> None:
-        for bucket in dp._buckets:
-            apply_update(dp, bucket)
+    def synchronize(self, reducer: Reducer) -> None:
+        for bucket in reducer.buckets:
+            apply_update(reducer, bucket)
 
 
-def apply_update(dp: Replica, bucket: Bucket) -> None:
+def apply_update(reducer: Reducer, bucket: Bucket) -> None:
     """The bucket's pending update, stepped by itself with its recorded hyper-parameters;
     ``p.grad`` is left as it was."""
     update, bucket.update = bucket.update, None
     if update is None:
         return
-    grads = dp._gradients(bucket, update)
+    grads = reducer.gradients(bucket, update)
     saved = [p.grad for p in bucket.params]
     for p, g in zip(bucket.params, grads, strict=True):
         p.grad = g
     try:
-        dp.optimizer.step_subset(bucket.params, update.hyper)
+        reducer.optimizer.step_subset(bucket.params, update.hyper)
     finally:
         for p, g in zip(bucket.params, saved, strict=True):
             p.grad = g
@@ -131,14 +132,14 @@ def apply_update(dp: Replica, bucket: Bucket) -> None:
 class _LayerHook:
     """The pre-hook of one layer: its pending update, just before it runs."""
 
-    def __init__(self, wrapper: weakref.ref[Replica], bucket: Bucket) -> None:
-        self._wrapper = wrapper
+    def __init__(self, reducer: weakref.ref[Reducer], bucket: Bucket) -> None:
+        self._reducer = reducer
         self._bucket = bucket
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        wrapper = self._wrapper()
-        if wrapper is not None and self._bucket.update is not None:
-            apply_update(wrapper, self._bucket)
+        reducer = self._reducer()
+        if reducer is not None and self._bucket.update is not None:
+            apply_update(reducer, self._bucket)
 
 
 def _holders(module: nn.Module) -> dict[int, list[nn.Module]]:

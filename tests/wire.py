@@ -23,7 +23,16 @@ import numpy as np
 from asyncreduce.algorithms import DTYPES, KINDS, REDUCTION_CODES, build
 from asyncreduce.flight import FlightRecorder
 from asyncreduce.protocol import Operation, Session, Settings
-from asyncreduce.protocol.commands import BROKE, DIVERT, DROP, FINISH, RELEASE, SEND, WITHDRAW
+from asyncreduce.protocol.commands import (
+    BROKE,
+    CLAIM,
+    DIVERT,
+    DROP,
+    FINISH,
+    RELEASE,
+    SEND,
+    WITHDRAW,
+)
 from asyncreduce.request import CallbackRunner, Request
 from asyncreduce.transport.frame import (
     DATA,
@@ -68,6 +77,7 @@ class Wire:
         self.runner = CallbackRunner("wire-callbacks")
         self.ranks = [self._rank(r) for r in range(n)]
         self.queued: dict[tuple[int, int], list[Frame]] = {}  # (src, dst): not left yet
+        self.claims: list[tuple[int, tuple[bytes, int], bool]] = []  # (rank, key, remember)
         self.links: dict[tuple[int, int], deque[tuple[Header, bytes]]] = {}  # left, in order
         self.unsent: list[Frame] = []  # left, their sent notice still to come
         # (dst, src): a payload half landed: its header, target, private buffer (after a
@@ -140,6 +150,8 @@ class Wire:
                 self._withdraw(rank, command[1])
             elif what == RELEASE:
                 self._release(rank, command[1])
+            elif what == CLAIM:  # (no same-host lane on this wire: nothing holds the key)
+                self.claims.append((rank, command[1], command[2]))
             else:
                 assert what == BROKE, command
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, PeerMemoryError, ProtocolError, Send
@@ -32,8 +32,10 @@ from ..flight import FlightRecorder, Record
 from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header
 from . import commands as do
 from . import wire
-from .commands import CONTROL_PRIORITY, Command
-from .failure import broken_by, closed_under, same_error, silent_for, timed_out
+from .around import SideDoor
+from .commands import Command
+from .controls import ControlTraffic
+from .failure import broken_by, closed_under, same_error
 from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
@@ -50,7 +52,7 @@ log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to
 _WORK_PATIENCE = 0.1  # seconds: an operation with work waiting this long goes first (work)
 
 
-class Session:
+class Session(ControlTraffic, SideDoor):
     """One rank's protocol state (see the module docstring)."""
 
     def __init__(
@@ -72,55 +74,6 @@ class Session:
         self._landing: dict[int, tuple[Operation, Array]] = {}  # payloads landing in place
         self._order = itertools.count()
         self._now = now
-
-    # ---- queries -------------------------------------------------------------------------------
-
-    def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
-        """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken, or (``goodbyes``) a rank said goodbye. The engine and the lane ask without
-        ``goodbyes``: an engine operation posted after a goodbye is judged by ``post``, on the
-        frames the departed rank sent first; a lane operation by the departed rank's slot."""
-        if self.broken is not None:
-            error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
-            error.__cause__ = self.broken
-            return error
-        gone = list(self.liveness.departed.values()) if goodbyes else []  # one call: safe
-        return BrokenError(f"{label}: {gone[0]}") if gone else None
-
-    def quiet(self, key: Key, now: float) -> bool:
-        """Whether operation ``key`` may run around the session, on the caller's thread, its
-        frames straight through the sockets (``Engine.run_direct``): nothing is in flight here, no
-        frame waits for an operation, no rank holds back or is held back, none said goodbye,
-        nothing is broken, and no beat is due (a turn of the loop sends it)."""
-        matching, liveness, flow = self.matching, self.liveness, self.flow
-        return not (
-            matching.ops or matching.unexpected or self.working or self._landing
-            or self.commands or self.broken is not None or self.stopping or liveness.departed
-            or flow.told or flow.holding_back or key in matching.failed
-            or now - liveness.last_beat >= liveness.beat_every
-        )  # fmt: skip
-
-    def heard_from(self, peers: Iterable[int], now: float) -> None:
-        """A frame of each of ``peers`` was taken around the session (``Engine.run_direct``): they
-        are alive, as if it had come through ``on_view``."""
-        heard = self.liveness.heard
-        for peer in peers:
-            heard[peer] = now
-
-    def ran(
-        self, key: Key, label: str, desc: Descriptor, priority: int, posted: float, now: float
-    ) -> None:
-        """Operation ``key`` ran around the session to the end (``Engine.run_direct``), posted at
-        ``posted``: it is remembered as done, so a frame that still came for it would be
-        judged as for any other operation that ended, and so does the flight recorder."""
-        self.matching.remember_done(key, desc)
-        self.flight.ran(key[0], key[1], desc, priority, posted, now)
-        if log_ops.isEnabledFor(logging.DEBUG):
-            log_ops.debug("rank %d ends %s: done", self.rank, label)
-
-    @property
-    def goodbye_reason(self) -> str:
-        return f"it was broken: {self.broken}" if self.broken is not None else ""
 
     # ---- events --------------------------------------------------------------------------------
 
@@ -246,27 +199,6 @@ class Session:
         """The answer to WITHDRAW: the frames taken back from ``peer``'s queue."""
         self.flow.withdrawn(peer, frames)
 
-    def tick(self, now: float) -> None:
-        """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a
-        silent one, and ask about stalled operations."""
-        self._now = now
-        for op in self.liveness.expired(now):
-            if self.matching.live(op):
-                self._fail_everywhere(op, timed_out(op, self.rank, op.algo.pending_sources))
-        if not self.liveness.beat_due(now):
-            return
-        if self.flow.told:  # (held frames also go when their operation fails here)
-            self._resume_drained()
-        self._control(self.liveness.open_peers(), wire.Beat())
-        silent = self.liveness.silent(now)
-        for op in list(self.matching.ops.values()):
-            # waiting for a silent rank's data, or for room to send (a silent rank reads nothing)
-            stuck = silent if op.unsent else silent & op.algo.pending_sources
-            if stuck:
-                self._fail_everywhere(op, silent_for(op, self.rank, stuck,
-                                                     self.settings.peer_timeout))  # fmt: skip
-        self._inspect_stalls(now)
-
     def work(self, now: float) -> None:
         """One unit of the most urgent operation's own work (the highest priority, then the
         least key): between units the engine reads what came in, so a small urgent operation
@@ -308,122 +240,7 @@ class Session:
         self.flight.broken = f"{type(error).__name__}: {error}"
         self.commands.append((do.BROKE, error))
 
-    # ---- control messages ----------------------------------------------------------------------
-
-    def _on_control(self, peer: int, message: Control) -> None:
-        if isinstance(message, wire.Hold):
-            if self.flow.start_holding(peer):  # send it only what it has posted from now on
-                self.commands.append((do.WITHDRAW, peer))
-        elif isinstance(message, wire.PostNotice):
-            self._send_kept(peer, self.flow.posted_there(peer, message.key, self.matching.live))
-            self._claim(message.key, remember=True)
-        elif isinstance(message, wire.Resume):
-            self._send_kept(peer, self.flow.resumed(peer, self.matching.live))
-        elif isinstance(message, wire.Ask):
-            self._claim(message.key, remember=True)
-            answer = self.matching.answer(message.key)
-            self._control((peer,), wire.Answer(message.key, message.desc, answer))
-        elif isinstance(message, wire.Answer):
-            self.stall.answered(message.key, peer, message.answer, self._now)
-        elif isinstance(message, wire.Abort):
-            why = f"rank {peer} broke ({message.reason}), so this rank broke too"
-            self.fail_all(BrokenError(why))
-        elif isinstance(message, wire.Failed):
-            error = message.error(f"{message.reason} (reported by rank {peer})")
-            failing = self.matching.ops.get(message.key)
-            if failing is not None:
-                self._fail(failing, error)
-            else:
-                self.matching.failed_with(message.key, error)
-            self.fail_all(error, (message.key, message.desc))  # passed on: all fail alike
-
-    def _on_goodbye(self, peer: int, reason: str) -> None:
-        """``peer`` closed in good order: fail what still needs it (``pending_sources``: a
-        frame to come, or its memory still to be read), on every rank (the others may need it
-        through us); a later post is judged the same way (``post``). Its frames came before
-        its goodbye, so an operation that no longer waits on it can still complete."""
-        gone = f"rank {peer} has closed its communicator" + (f" ({reason})" if reason else "")
-        self.liveness.departed[peer] = gone
-        for op in list(self.matching.ops.values()):
-            self._fail_what_needs_the_departed(op)
-        for op, _, _ in self.flow.forget(peer):  # kept back for it: it needs them no more
-            op.unsent -= 1
-            self._maybe_complete(op)
-        self.commands.append((do.RELEASE, peer))
-
-    def _fail_what_needs_the_departed(self, op: Operation, posted: bool = False) -> None:
-        """Fail ``op`` on every rank if it still waits on a rank that said goodbye. An
-        operation posted after such a goodbye runs first on the frames that rank sent before
-        it (it may need nothing more from it: a broadcast's leaf, or a rank the departed one
-        already served) and fails if it had anything to send that rank (``posted``): that rank
-        left without it (a send, a gather to it, a broadcast it was to relay)."""
-        pending = op.algo.pending_sources
-        for peer, gone in list(self.liveness.departed.items()):
-            if peer in pending:
-                why = f"{op.label} still needed rank {peer}, but {gone}"
-            elif posted and peer == op.dropped_for:
-                why = f"{op.label} had data for rank {peer}, but {gone} without it"
-            else:
-                continue
-            self._fail_everywhere(op, BrokenError(why))
-            return
-
-    def _send_kept(self, peer: int, frames: list[KeptFrame]) -> None:
-        for op, head, payload in frames:
-            self.commands.append((do.SEND, peer, head, payload, op.priority, op, op.age))
-
-    def _resume_drained(self) -> None:
-        """Peers told to hold may send freely again once this rank holds little (flow.py)."""
-        for peer in self.flow.drained(self.matching.unexpected_bytes):
-            self._control((peer,), wire.Resume())
-
-    def _claim(self, key: Key, remember: bool) -> None:
-        """A peer runs ``key`` on the engine: a named operation the same-host lane holds must
-        run there too (lane/named.py)."""
-        if key[0] and key not in self.matching.ops and key not in self.matching.done:
-            self.commands.append((do.CLAIM, key, remember))
-
-    def _control(self, peers: Iterable[int], message: Control) -> None:
-        """Send ``message`` to each of ``peers``, encoded once."""
-        head, payload = wire.encode(message)
-        view = memoryview(payload)
-        for peer in peers:
-            self.commands.append((do.SEND, peer, head, view, CONTROL_PRIORITY, None, 0))
-
-    def _inspect_stalls(self, now: float) -> None:
-        self.stall.overdue(now)
-        for op in list(self.matching.ops.values()):
-            if self.stall.due(op.key, op.started, now):
-                self.stall.asked(op.key, op.label, op.started, now)
-                self._control(self.liveness.open_peers(), wire.Ask(op.key, op.desc))
-
     # ---- operations ----------------------------------------------------------------------------
-
-    def _unposted(self, peer: int, header: Header, payload: memoryview) -> None:
-        """A DATA frame for an operation not posted here: late (it completed here), dropped
-        (it failed here), or kept for when it is posted (back-pressure past the cap)."""
-        matching = self.matching
-        if header.key in matching.done:
-            self._late_frame(peer, header)
-        elif header.key not in matching.failed and self.broken is None:
-            if header.key not in matching.unexpected:
-                self._claim(header.key, remember=False)
-            matching.keep(peer, header, payload)
-            if self.flow.over_cap(peer, matching.unexpected_bytes):
-                self._control((peer,), wire.Hold())
-                for op in matching.ops.values():
-                    self._control((peer,), wire.PostNotice(op.key, op.desc))
-
-    def _late_frame(self, peer: int, header: Header) -> None:
-        """A frame for an operation completed here: ranks disagreed in a way the operation could
-        not see (a broadcast's root). Drop it and say so; nothing can fail retroactively."""
-        desc = self.matching.done[header.key]
-        if header.desc != desc:
-            log.error(
-                "rank %d completed %r#%d as %s but rank %d posted %s; its data was ignored",
-                self.rank, header.name.decode(errors="replace"), header.key[1],
-                describe(desc), peer, describe(header.desc),
-            )  # fmt: skip
 
     def _accept(self, op: Operation, peer: int, header: Header, payload: memoryview) -> bool:
         """Deliver a frame that was received before ``op`` was posted: the algorithm reads it

@@ -1,0 +1,72 @@
+"""The Session's side door: what it says to an operation that runs around it, on the caller's
+thread (``Engine.run_direct``: its frames straight through the sockets), and how such an
+operation is recorded once it ran. The same-host lane asks ``refusal`` too.
+
+A mixin of ``Session`` (session.py), which holds the state named below; kept apart so that
+the rules for running around the protocol are read in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from ..errors import BrokenError
+from ..transport.frame import Descriptor
+from .parts import SessionParts
+from .wire import Key
+
+__all__ = ["SideDoor"]
+
+log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
+
+
+class SideDoor(SessionParts):
+    """The queries and records of operations that run around the Session (see above)."""
+
+    def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
+        """Why a new post must fail at once, if it must (any thread may ask): the session is
+        broken, or (``goodbyes``) a rank said goodbye. The engine and the lane ask without
+        ``goodbyes``: an engine operation posted after a goodbye is judged by ``post``, on the
+        frames the departed rank sent first; a lane operation by the departed rank's slot."""
+        if self.broken is not None:
+            error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
+            error.__cause__ = self.broken
+            return error
+        gone = list(self.liveness.departed.values()) if goodbyes else []  # one call: safe
+        return BrokenError(f"{label}: {gone[0]}") if gone else None
+
+    def quiet(self, key: Key, now: float) -> bool:
+        """Whether operation ``key`` may run around the session, on the caller's thread, its
+        frames straight through the sockets (``Engine.run_direct``): nothing is in flight here, no
+        frame waits for an operation, no rank holds back or is held back, none said goodbye,
+        nothing is broken, and no beat is due (a turn of the loop sends it)."""
+        matching, liveness, flow = self.matching, self.liveness, self.flow
+        return not (
+            matching.ops or matching.unexpected or self.working or self._landing
+            or self.commands or self.broken is not None or self.stopping or liveness.departed
+            or flow.told or flow.holding_back or key in matching.failed
+            or now - liveness.last_beat >= liveness.beat_every
+        )  # fmt: skip
+
+    def heard_from(self, peers: Iterable[int], now: float) -> None:
+        """A frame of each of ``peers`` was taken around the session (``Engine.run_direct``): they
+        are alive, as if it had come through ``on_view``."""
+        heard = self.liveness.heard
+        for peer in peers:
+            heard[peer] = now
+
+    def ran(
+        self, key: Key, label: str, desc: Descriptor, priority: int, posted: float, now: float
+    ) -> None:
+        """Operation ``key`` ran around the session to the end (``Engine.run_direct``), posted at
+        ``posted``: it is remembered as done, so a frame that still came for it would be
+        judged as for any other operation that ended, and so does the flight recorder."""
+        self.matching.remember_done(key, desc)
+        self.flight.ran(key[0], key[1], desc, priority, posted, now)
+        if log_ops.isEnabledFor(logging.DEBUG):
+            log_ops.debug("rank %d ends %s: done", self.rank, label)
+
+    @property
+    def goodbye_reason(self) -> str:
+        return f"it was broken: {self.broken}" if self.broken is not None else ""

@@ -657,9 +657,10 @@ def body_frozen(comm: ar.Communicator) -> str:
     if comm.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its sockets stay open, it says nothing
     start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
+    with pytest.raises(ar.BrokenError) as info:  # a silent peer: broken, not a wait run out
         comm.allreduce(np.ones(1000, np.float32), name="stuck")
     elapsed = time.monotonic() - start
+    assert isinstance(info.value.__cause__, TimeoutError), repr(info.value.__cause__)
     assert 1.5 <= elapsed < 5.0, elapsed  # the peer timeout is 2 s, heartbeats every 0.5 s
     return str(info.value)
 

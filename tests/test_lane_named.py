@@ -110,7 +110,7 @@ def test_named_operations_in_any_order_end_alike_on_every_rank(
     world = World(n, kind)
     keys = [f"k{i}" for i in range(NAMED_SLOTS + 24)]
     orders = [rng.sample(keys, len(keys)) for _ in range(n)]
-    dtype = rng.choice(["float32", "float64", "int64", "int16", "float16"])  # (C folds all but the last)
+    dtype = rng.choice(["float32", "float64", "int64", "int16", "float16"])  # (C: all but f16)
     op = rng.choice(["sum", "max", "prod"])
     inputs = {k: [np.array(np.arange(1, 9) * (r + 1) + i, dtype)
                   for r in range(n)] for i, k in enumerate(keys)}  # fmt: skip

@@ -50,7 +50,7 @@ def body_stopped_peer(
         return 0.0, 0.0, 0.0, "completed"
     time.sleep(1.0)
     start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
+    with pytest.raises((TimeoutError, ar.BrokenError)) as info:  # (its deadline; a silent peer)
         comm.allreduce(x, name="w", timeout=2)
     raised = time.monotonic()
     comm.close()

@@ -63,7 +63,8 @@ def test_a_deadline_and_a_silent_peer_fail_it_everywhere_naming_whom_it_waits_fo
     assert late is not None and late.everywhere and isinstance(late.error, TimeoutError)
     assert "timeout of 2.0 s" in str(late.error) and "rank 2" in str(late.error)
     quiet = _judge(_Op(deadline=0.0), 99.0, _Missing({1, 2}), silent={2, 3})
-    assert quiet is not None and quiet.everywhere and isinstance(quiet.error, TimeoutError)
+    assert quiet is not None and quiet.everywhere and isinstance(quiet.error, BrokenError)
+    assert isinstance(quiet.error.__cause__, TimeoutError)  # the peer timeout, as its cause
     assert "rank 2 sent nothing for 5 s" in str(quiet.error)
     assert _judge(_Op(deadline=0.0), 99.0, _Missing({1}), silent={2, 3}) is None  # 2 published
 
@@ -89,8 +90,10 @@ def test_the_rules_apply_in_their_order(
         expected: tuple[type, bool] | None = (BrokenError, False)
     elif left & waiting:
         expected = (BrokenError, False)
-    elif late or silent & waiting:
+    elif late:
         expected = (TimeoutError, True)
+    elif silent & waiting:
+        expected = (BrokenError, True)
     else:
         expected = None
     got = None if verdict is None else (type(verdict.error), verdict.everywhere)

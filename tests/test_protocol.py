@@ -267,7 +267,9 @@ def test_a_silent_rank_is_named_by_every_rank_that_waits_on_it(
         if rank == silent:
             continue
         error = outcome(state.requests["x"])
-        assert isinstance(error, TimeoutError), (rank, error)
+        assert isinstance(error, ar.BrokenError), (rank, error)  # not TimeoutError: no wait ran out
+        if "reported by" not in str(error):  # (found here: the peer timeout is its cause)
+            assert isinstance(error.__cause__, TimeoutError), (rank, error.__cause__)
         assert f"rank {silent} sent nothing for {timeout:g} s" in str(error), str(error)
 
 

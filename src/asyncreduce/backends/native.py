@@ -289,7 +289,7 @@ class DirectCalls:
             backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
                                     None, 0.0, runner)  # fmt: skip
-            made = lane.run_named(key, head, flat, dtype, op, in_lane)
+            made = lane.run_named(key, label, head, flat, dtype, op, in_lane)
             if made is not False:
                 return made
             plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)

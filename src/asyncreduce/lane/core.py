@@ -39,6 +39,7 @@ from ..algorithms import Array, DType
 from ..buffers import Buffer
 from ..envvars import env_number
 from ..errors import ClosedError, UsageError
+from ..flight import FlightRecorder, Record
 from ..keys import Key
 from ..protocol.operation import Settings
 from ..protocol.outside import judge
@@ -156,7 +157,7 @@ class Lane:
         return True
 
     def run_named(
-        self, key: Key, head: SlotHeader, flat: Array, dtype: DType, op: str,
+        self, key: Key, label: str, head: SlotHeader, flat: Array, dtype: DType, op: str,
         adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
         """``run_waiting`` for a named operation (``NamedOps.run``); False: the lane cannot
@@ -164,7 +165,7 @@ class Lane:
         named = self.named
         if named is None:
             return False
-        made = named.run(key, head, flat, dtype, op, WAITER_SPIN, adopt)
+        made = named.run(key, label, head, flat, dtype, op, WAITER_SPIN, adopt)
         if made is None:
             self.moved_at = time.monotonic()
         elif made is not False and not made.done():
@@ -272,6 +273,7 @@ class Lane:
             departed, failed = session.liveness.departed, session.matching.failed
             wait = session.settings.peer_timeout
             for op, missing in self._judged():
+                self._recorded(op, session, now, missing)
                 verdict = judge(op, self.rank, now, broken=session.broken,
                                 earlier=failed.get(op.key), departed=departed,
                                 missing=functools.partial(missing, op),
@@ -280,6 +282,20 @@ class Lane:
                     self._fail(op, verdict.error)
                     if verdict.everywhere:
                         session.fail_all(verdict.error, (op.key, op.desc))
+
+    @staticmethod
+    def _recorded(
+        op: LaneOp, session: Session, now: float, missing: Callable[[LaneOp], set[int]]
+    ) -> None:
+        """A pending operation the progress thread watches goes into the flight record (its
+        outcome with it), and past ``ASYNCREDUCE_STALL_WARNING`` into a stall warning naming
+        the ranks whose slots lack it, as the engine's stall inspector would."""
+        if op.record is None:
+            posted = time.time() - (now - op.started)
+            op.record = record = session.flight.add(Record(*op.key, op.desc, 0, posted))
+            op.request.add_done_callback(lambda r: FlightRecorder.finish(record, r.exception()))
+        if session.stall.due(op.key, op.started, now):
+            session.stall.seen_missing(op.key, op.label, op.started, now, missing(op))
 
     def _judged(self) -> list[tuple[LaneOp, Callable[[LaneOp], set[int]]]]:
         """Every pending operation, with how to ask which peers it still misses."""

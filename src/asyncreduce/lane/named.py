@@ -34,6 +34,7 @@ from ..keys import Key
 from ..request import Request
 from ..samehost.mailbox import AGREED, DIFFERENT, WAITING, SlotHeader
 from ..samehost.named import Found, KeyWords, NamedSlots, found_for, key_words
+from .op import log_end
 
 if TYPE_CHECKING:
     from .op import LaneOp, Shell
@@ -108,6 +109,7 @@ class NamedOps:
         self.slots.withdraw(op.slot)
         if not op.request.done():
             op.request.set_exception(error)
+            log_end(self._mover.rank, op.label, error)
 
     def missing(self, op: LaneOp) -> set[int]:
         """The peers whose slots do not hold ``op`` now."""
@@ -123,8 +125,8 @@ class NamedOps:
     # ---- a waiting thread ----------------------------------------------------------------------
 
     def run(
-        self, key: Key, head: SlotHeader, flat: Array, dtype: DType, op: str, spin: float,
-        adopt: Callable[[], LaneOp],
+        self, key: Key, label: str, head: SlotHeader, flat: Array, dtype: DType, op: str,
+        spin: float, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
         """Run named operation ``key`` on the calling thread, which waits for it (a blocking
         allreduce), with no request: publish, wait for the peers (spinning for up to
@@ -140,6 +142,7 @@ class NamedOps:
             if slot < 0:
                 return False
             if self._settle(words, slot, found, head, flat, dtype, op) == AGREED:
+                log_end(self._mover.rank, label)
                 return None
             self._running[key] = slot
         now = time.monotonic()
@@ -155,6 +158,7 @@ class NamedOps:
                     state = self._settle_running(key, words, slot, found, head, flat, dtype, op)
                     if state == AGREED:
                         del self._running[key]
+                        log_end(self._mover.rank, label)
                         return None
                     now = time.monotonic()
                     if state != WAITING or now >= end:
@@ -208,6 +212,7 @@ class NamedOps:
         del self.pending[op.key]
         if state == AGREED:
             op.request.set_result(op.result())
+            log_end(self._mover.rank, op.label)
         else:
             self._hand_over(op)
         return True

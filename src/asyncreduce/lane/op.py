@@ -3,18 +3,28 @@ operations (unnamed.py, named.py) ask of the lane that holds them."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..buffers import Buffer
+from ..flight import Record
 from ..keys import Key
 from ..request import Mover, Request
 from ..samehost.mailbox import HERE, header
 from ..samehost.named import Found, found_for, key_words
 from ..transport.frame import Descriptor
 
-__all__ = ["LaneOp", "Shell"]
+__all__ = ["LaneOp", "Shell", "log_end"]
+
+log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
+
+
+def log_end(rank: int, label: str, error: BaseException | None = None) -> None:
+    """The per-operation DEBUG line of an operation the lane ended (the engine's, worded alike)."""
+    if log_ops.isEnabledFor(logging.DEBUG):
+        log_ops.debug("rank %d ends %s: %s", rank, label, error or "done")
 
 _NOT_LOOKED: Found = found_for(0)
 
@@ -23,6 +33,7 @@ class Shell(Mover, Protocol):
     """The lane, as its operations' kinds see it: their requests' mover, and when it moved."""
 
     moved_at: float
+    rank: int
 
 
 class LaneOp:
@@ -30,7 +41,7 @@ class LaneOp:
     slot says, as the mailbox's words; ``deadline``: monotonic, 0 for none)."""
 
     __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
-                 "timeout", "deadline", "words", "slot", "found")  # fmt: skip
+                 "timeout", "deadline", "started", "record", "words", "slot", "found")  # fmt: skip
 
     request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run_waiting`` needs one
 
@@ -43,7 +54,9 @@ class LaneOp:
         self.header = header(HERE, desc)
         self.buf, self.op, self.result = buf, op, result
         self.timeout = timeout
-        self.deadline = 0.0 if timeout is None else (posted or time.monotonic()) + timeout
+        self.started = posted or time.monotonic()
+        self.deadline = 0.0 if timeout is None else self.started + timeout
+        self.record: Record | None = None  # in the flight record once watched (``Lane.watch``)
         if key[0]:  # a named one: found by key (named.py)
             self.words = key_words(*key)
             self.slot = -1

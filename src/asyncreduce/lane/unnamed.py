@@ -33,6 +33,7 @@ from ..errors import ClosedError
 from ..request import Request
 from ..samehost.mailbox import AGREED, ON_ENGINE, WAITING, Mailbox, SlotHeader, header
 from ..transport.frame import Descriptor
+from .op import log_end
 
 if TYPE_CHECKING:
     from .op import LaneOp, Shell
@@ -231,6 +232,7 @@ class UnnamedOps:
             return True
         self.completed += 1
         op.request.set_result(op.result())
+        log_end(self._lane.rank, op.label)
         return True
 
     def _done_with(self, seq: int) -> None:
@@ -264,6 +266,7 @@ class UnnamedOps:
         self._done_with(op.seq)
         if not op.request.done():
             op.request.set_exception(error)
+            log_end(self._lane.rank, op.label, error)
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)`` (and what ``run`` moves)."""

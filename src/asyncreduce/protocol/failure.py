@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BrokenError, ClosedError, ranks_phrase
 
-__all__ = ["broken_by", "closed_under", "same_error", "silent_for", "timed_out"]
+__all__ = ["broken_by", "closed_under", "same_error", "silent", "silent_for", "timed_out"]
 
 
 def broken_by(op: Any, cause: BaseException) -> BrokenError:
@@ -41,9 +41,22 @@ def timed_out(op: Any, rank: int, waiting: set[int]) -> TimeoutError:
                         f"rank {rank} (still waiting for {ranks_phrase(waiting)})")  # fmt: skip
 
 
-def silent_for(op: Any, rank: int, silent: set[int], peer_timeout: float) -> TimeoutError:
-    """The error of an operation on ``rank`` that waits for peers ``silent`` this long."""
-    return TimeoutError(
-        f"{op.label} failed on rank {rank}: {ranks_phrase(silent)} sent nothing "
-        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)"
+def silent(message: str, peer_timeout: float) -> BrokenError:
+    """A peer went silent: a ``BrokenError`` with ``message`` (naming it), whose cause is the
+    ``TimeoutError`` of the peer timeout. ``TimeoutError`` itself means only that a caller's
+    own wait ran out (``timeout=``). The ordered engines' silence is worded alike."""
+    error = BrokenError(message)
+    error.__cause__ = TimeoutError(
+        f"no frame, not even a heartbeat, within the peer timeout of {peer_timeout:g} s "
+        "(ASYNCREDUCE_PEER_TIMEOUT)"
+    )
+    return error
+
+
+def silent_for(op: Any, rank: int, silent_peers: set[int], peer_timeout: float) -> BrokenError:
+    """The error of an operation on ``rank`` that waits for peers ``silent_peers`` this long."""
+    return silent(
+        f"{op.label} failed on rank {rank}: {ranks_phrase(silent_peers)} sent nothing "
+        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)",
+        peer_timeout,
     )

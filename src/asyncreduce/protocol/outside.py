@@ -11,8 +11,8 @@ In the order they are asked:
    same final slot after the same goodbye, so each ends it alike, with no word to the others (a
    word that broke them could fail an operation another rank already completed);
 3. its deadline passed: a TimeoutError naming whom it still waits for, on every rank;
-4. it waits for a peer that sent nothing for the peer timeout: a TimeoutError naming that peer,
-   on every rank.
+4. it waits for a peer that sent nothing for the peer timeout: a BrokenError naming that peer
+   (the peer timeout's TimeoutError its cause), on every rank.
 
 "Everywhere" means the caller fails it through the Session (``fail_all``), so peers hear of it
 as of any other failure. Nothing here reads a clock or memory: ``now`` comes in, and

@@ -12,9 +12,9 @@ has no cancel for collectives, and the peers are in them): after a break they ar
 
 The liveness rules that end operations live here too (the clocks are in liveness.py): an
 operation past its deadline fails everywhere with ``TimeoutError``; a silent peer (seen here at
-a beat, or by the control channel, whichever first) fails what waits with the ``TimeoutError``
-itself, as natively, then breaks; a peer's GOODBYE breaks only if something offered here is
-still pending (nobody can agree it now).
+a beat, or by the control channel, whichever first) fails what waits with a ``BrokenError``
+naming it (the peer timeout's ``TimeoutError`` its cause), as natively, then breaks; a peer's
+GOODBYE breaks only if something offered here is still pending (nobody can agree it now).
 
 A failed request does not take its operation back from the peers. Once this rank offered it
 to the agreement, the peers may still agree it, and then they need this rank in the engine
@@ -37,6 +37,7 @@ from ...errors import BrokenError
 from ...flight import FlightRecorder
 from ...keys import Key
 from ...protocol import broken_by
+from ...protocol.failure import silent
 from ...protocol.wire import BROKEN_CODE, ERROR_CLASSES, ERROR_CODES
 from .channel import BREAK
 from .fusion import Call
@@ -149,10 +150,12 @@ class Breaker:
 
     def fail_silent(self, why: str) -> None:
         """A peer is silent (seen here, or by the control channel, whichever first): what
-        waits fails with the TimeoutError itself, as natively, then the engine breaks."""
+        waits fails with a BrokenError naming it, the peer timeout's TimeoutError its cause,
+        as natively (protocol/failure.py ``silent``), then the engine breaks."""
+        wait = self._liveness.peer_timeout
         for op in self.pending():
-            self.fail(op, TimeoutError(f"{op.label}: {why}"))
-        self.break_communicator(TimeoutError(why))
+            self.fail(op, silent(f"{op.label}: {why}", wait))
+        self.break_communicator(silent(why, wait))
 
     def _live(self, key: Key) -> Posted | None:
         """The posted, not yet agreed operation ``key`` whose request is still pending."""

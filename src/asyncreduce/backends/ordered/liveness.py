@@ -3,7 +3,7 @@
 Theory of operation. Every ``beat_every`` seconds (1/40 of ASYNCREDUCE_PEER_TIMEOUT, between
 20 ms and 1 s) the engine sends every peer a BEAT on the control channel; any message counts
 as hearing from its sender. While something is pending here, a peer not heard from for the
-timeout plus one beat is silent (dead, or stopped): what waits fails with TimeoutError, and
+timeout plus one beat is silent (dead, or stopped): what waits fails with BrokenError, and
 the communicator breaks. An operation posted with a ``timeout`` fails everywhere once its
 deadline passes. One still not agreed after ASYNCREDUCE_STALL_WARNING seconds gives a
 warning (once per that many seconds), naming the ranks that have not posted it; the last 100

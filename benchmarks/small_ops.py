@@ -178,6 +178,7 @@ class _NoEngine:
     """What a communicator over the lane asks of its engine when nothing fails: nothing."""
 
     lane = None
+    flight = None  # (nothing recorded)
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size

@@ -209,7 +209,7 @@ class NativeBackend(EngineBackend):
         where there are ``named`` slots (every rank switches at the same point: after the
         collective that made the mailboxes)."""
         self.lane = Lane(mailbox, self.rank, self.world_size, self.convert, self.engine.nudge,
-                         named)  # fmt: skip
+                         named, self.engine.flight)  # fmt: skip
         self.engine.take_lane(self.lane)
 
     def convert(self, op: LaneOp) -> None:
@@ -289,7 +289,7 @@ class DirectCalls:
             backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
                                     None, 0.0, runner)  # fmt: skip
-            made = lane.run_named(key, label, head, flat, dtype, op, in_lane)
+            made = lane.run_named(key, label, desc, head, flat, dtype, op, in_lane)
             if made is not False:
                 return made
             plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)

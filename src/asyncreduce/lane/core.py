@@ -74,16 +74,19 @@ class Lane:
     def __init__(
         self, mailbox: Mailbox, rank: int, world_size: int,
         convert: Callable[[LaneOp], None], wake: Callable[[], None] = lambda: None,
-        named: NamedSlots | None = None,
+        named: NamedSlots | None = None, flight: FlightRecorder | None = None,
     ) -> None:  # fmt: skip
-        """``named``: the named slots, where named operations take the lane too."""
+        """``named``: the named slots, where named operations take the lane too; ``flight``:
+        where the named ones are recorded."""
         self.mailbox = mailbox
         self.rank, self.world_size = rank, world_size
         self._convert = convert
         self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
         self.unnamed = UnnamedOps(mailbox, self._lock, convert, self, wake)
-        self.named = None if named is None else NamedOps(named, self._lock, convert, self)
+        self.named = (
+            None if named is None else NamedOps(named, self._lock, convert, self, flight)
+        )
         self._closed = False
         self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
         self.moved_at = 0.0  # when the lane last published or completed something
@@ -157,15 +160,15 @@ class Lane:
         return True
 
     def run_named(
-        self, key: Key, label: str, head: SlotHeader, flat: Array, dtype: DType, op: str,
-        adopt: Callable[[], LaneOp],
+        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
+        dtype: DType, op: str, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
         """``run_waiting`` for a named operation (``NamedOps.run``); False: the lane cannot
         take it now, for the engine to run."""
         named = self.named
         if named is None:
             return False
-        made = named.run(key, label, head, flat, dtype, op, WAITER_SPIN, adopt)
+        made = named.run(key, label, desc, head, flat, dtype, op, WAITER_SPIN, adopt)
         if made is None:
             self.moved_at = time.monotonic()
         elif made is not False and not made.done():

@@ -30,10 +30,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..algorithms import Array, DType
+from ..flight import FlightRecorder
 from ..keys import Key
 from ..request import Request
 from ..samehost.mailbox import AGREED, DIFFERENT, WAITING, SlotHeader
 from ..samehost.named import Found, KeyWords, NamedSlots, found_for, key_words
+from ..transport.frame import Descriptor
 from .op import log_end
 
 if TYPE_CHECKING:
@@ -54,12 +56,13 @@ class NamedOps:
 
     def __init__(
         self, slots: NamedSlots, lock: threading.Lock, convert: Callable[[LaneOp], None],
-        mover: Shell,
+        mover: Shell, flight: FlightRecorder | None = None,
     ) -> None:  # fmt: skip
         """``lock``: the lane's; ``convert``: hand an operation to the engine (it tells the
         peers so); ``mover``: the lane, which moves a request of its own (``Request.mover``)."""
         self.slots = slots
         self._lock, self._convert, self._mover = lock, convert, mover
+        self._flight = flight  # where each one that completes here is recorded (``_ran``)
         self.pending: dict[Key, LaneOp] = {}
         self._running: dict[Key, int] = {}  # run on a waiting thread (``run``): slot, _CLAIMED
         self._elsewhere: dict[Key, None] = {}  # keys a peer runs on the engine, not posted here
@@ -108,8 +111,8 @@ class NamedOps:
             return
         self.slots.withdraw(op.slot)
         if not op.request.done():
+            log_end(self._mover.rank, op.label, error)  # (before: the waiter may log next)
             op.request.set_exception(error)
-            log_end(self._mover.rank, op.label, error)
 
     def missing(self, op: LaneOp) -> set[int]:
         """The peers whose slots do not hold ``op`` now."""
@@ -125,8 +128,8 @@ class NamedOps:
     # ---- a waiting thread ----------------------------------------------------------------------
 
     def run(
-        self, key: Key, label: str, head: SlotHeader, flat: Array, dtype: DType, op: str,
-        spin: float, adopt: Callable[[], LaneOp],
+        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
+        dtype: DType, op: str, spin: float, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
         """Run named operation ``key`` on the calling thread, which waits for it (a blocking
         allreduce), with no request: publish, wait for the peers (spinning for up to
@@ -135,6 +138,7 @@ class NamedOps:
         moves it from then on), a peer that runs it elsewhere or disagrees (the engine
         decides), the lane closed. False: the lane cannot take it (run it on the engine)."""
         words, found = key_words(*key), found_for(self.slots.world_size)
+        posted = time.monotonic()
         with self._lock:
             if self.closed_with is not None or key in self._running:
                 return False
@@ -142,6 +146,7 @@ class NamedOps:
             if slot < 0:
                 return False
             if self._settle(words, slot, found, head, flat, dtype, op) == AGREED:
+                self._ran(key, desc, posted)
                 log_end(self._mover.rank, label)
                 return None
             self._running[key] = slot
@@ -158,6 +163,7 @@ class NamedOps:
                     state = self._settle_running(key, words, slot, found, head, flat, dtype, op)
                     if state == AGREED:
                         del self._running[key]
+                        self._ran(key, desc, posted)
                         log_end(self._mover.rank, label)
                         return None
                     now = time.monotonic()
@@ -211,8 +217,10 @@ class NamedOps:
             return False
         del self.pending[op.key]
         if state == AGREED:
+            if op.record is None:  # (else its request's outcome finishes its record)
+                self._ran(op.key, op.desc, op.started)
+            log_end(self._mover.rank, op.label)  # (before: the waiter may log next)
             op.request.set_result(op.result())
-            log_end(self._mover.rank, op.label)
         else:
             self._hand_over(op)
         return True
@@ -230,6 +238,12 @@ class NamedOps:
         elif state == DIFFERENT:
             self.slots.withdraw(slot)
         return state
+
+    def _ran(self, key: Key, desc: Descriptor, posted: float) -> None:
+        """Operation ``key`` completed here: in the flight record as a direct run is (one
+        append), so ``culprit`` does not blame this rank for it."""
+        if self._flight is not None:
+            self._flight.ran(key[0], key[1], desc, 0, posted, time.monotonic())
 
     def _hand_over(self, op: LaneOp) -> None:
         self.converted += 1

@@ -231,8 +231,8 @@ class UnnamedOps:
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
         self.completed += 1
+        log_end(self._lane.rank, op.label)  # (before: the waiter may log next)
         op.request.set_result(op.result())
-        log_end(self._lane.rank, op.label)
         return True
 
     def _done_with(self, seq: int) -> None:
@@ -265,8 +265,8 @@ class UnnamedOps:
             self._unpublished[op.seq] = (header(ON_ENGINE, op.desc), None)
         self._done_with(op.seq)
         if not op.request.done():
+            log_end(self._lane.rank, op.label, error)  # (before: the waiter may log next)
             op.request.set_exception(error)
-            log_end(self._lane.rank, op.label, error)
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
         """Fail what is pending with ``error(op)`` (and what ``run`` moves)."""

@@ -259,7 +259,7 @@ class OrderedEngine:
             return self._read_channel()
         except Exception as exc:  # (a lost peer in the native endpoint, an MPI error, ...)
             why = f"rank {self.rank}: the control channel failed: {exc}"
-            if isinstance(exc, TimeoutError):  # the channel found a silent peer first
+            if isinstance(exc.__cause__ or exc, TimeoutError):  # it found a silent peer
                 self._breaker.fail_silent(why)
             else:
                 self._breaker.break_communicator(BrokenError(why))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -286,3 +287,24 @@ def body_off(comm: ar.Communicator) -> bool:
 def test_one_rank_without_named_lane_keeps_named_operations_on_the_engine_everywhere() -> None:
     results = run_ranks(2, body_off, rank_env={1: {"ASYNCREDUCE_LANE_NAMED": "0"}})
     assert results == {0: False, 1: False}
+
+
+def body_claimed_first(comm: ar.Communicator) -> list[float]:
+    """Rank 0 has no free named slot (32 posts nobody else makes), so its blocking named
+    allreduce "k" runs on the engine and says so; rank 1 hears that before it makes its own
+    blocking call (it sleeps), which must then go to the engine at once, not into the lane."""
+    if comm.rank == 0:
+        hogs = [comm.iallreduce(np.ones(4), name=f"hog{i}") for i in range(NAMED_SLOTS)]
+        got = comm.allreduce(np.ones(4), name="k", timeout=20)
+    else:
+        time.sleep(1.0)  # (rank 0's notice is heard meanwhile)
+        got = comm.allreduce(np.ones(4), name="k")  # (no timeout: the call's fastest path)
+        hogs = [comm.iallreduce(np.ones(4), name=f"hog{i}") for i in range(NAMED_SLOTS)]
+    for q in hogs:
+        q.wait(timeout=20)
+    return got.tolist()  # type: ignore[no-any-return]
+
+
+def test_a_blocking_named_call_heard_of_as_run_on_the_engine_goes_there() -> None:
+    results = run_ranks(2, body_claimed_first, timeout=90)
+    assert results == {0: [2.0] * 4, 1: [2.0] * 4}, results

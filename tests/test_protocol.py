@@ -624,3 +624,30 @@ def test_an_operation_whose_work_waited_long_goes_before_lesser_keys() -> None:
     while session.working:
         session.work(1.05)
     assert log == ["z", "a", "b"]
+
+
+@fast
+@given(n=RANKS, seed=SEEDS)
+def test_a_rank_hears_of_a_named_key_another_runs_on_the_engine(n: int, seed: int) -> None:
+    """The same-host lane's hand-over (lane/named.py): the first frame of a named operation not
+    posted here asks the lane to hand it over (``CLAIM``, not remembered: the frame itself
+    waits); a ``PostNotice`` of an operation that announces itself asks to remember it too.
+    Only ranks that have not posted the key hear of it, once per key. (The first frame may
+    never come first: a rank whose algorithm waits to hear before it sends; the notice and the
+    stall inspector's question cover that.)"""
+    wire = Wire(n, seed)
+    announced = wire.make(0, "allreduce", "a", np.ones(4, np.float32))
+    announced.announce = True  # (a named one the lane could not take: lane/named.py)
+    wire.ranks[0].session.post(announced, wire.ranks[0].now)
+    wire.apply(0)
+    wire.post(1, "allreduce", "b", np.ones(4, np.float32))
+    wire.run()
+    claims = set(wire.claims)
+    for rank in range(1, n):
+        assert (rank, (b"a", 0), True) in claims, (rank, wire.claims)
+    assert not [c for c in wire.claims if c[0] == 0 and c[1] == (b"a", 0)]
+    framed = [c for c in wire.claims if c[1] == (b"b", 0)]
+    assert all(not remember and rank != 1 for rank, _, remember in framed), framed
+    if n & (n - 1) == 0:  # (recursive doubling sends at once; an extra rank's partner waits)
+        assert framed, wire.claims
+    assert len(framed) == len({c[0] for c in framed})  # once per rank and key

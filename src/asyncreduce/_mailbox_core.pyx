@@ -29,23 +29,14 @@ from cpython.buffer cimport (
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 
 
-cdef extern from *:
-    """
-    #include <sched.h>
-    #include <stddef.h>
-    #include <stdint.h>
-    #include <string.h>
-
-    static inline void ar_store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-    static inline int64_t ar_load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-
-    """
+cdef extern from "_spin.h":
     void ar_store_release(int64_t *p, int64_t v) nogil
     int64_t ar_load_acquire(const int64_t *p) nogil
-    int sched_yield() nogil
+    double ar_now() nogil
+    void ar_pause(double now, double naps_from) nogil
+    double AR_SPIN_BEFORE_NAPS
 
 
 cdef extern from "_fold.h":
@@ -54,21 +45,6 @@ cdef extern from "_fold.h":
 
 cdef enum:
     _HEADER_BYTES = 48  # state and the five descriptor fields, after the stamp
-
-
-cdef enum:
-    _NAP_NS = 20000  # a sleep between looks, once a wait went on for _SPIN_BEFORE_NAPS
-
-
-cdef double _SPIN_BEFORE_NAPS = 200e-6  # yield the core this long; then sleep between looks:
-# a peer that is not running (four ranks on two cores) gets the core, where a yield alone
-# (CFS: the yielding spinner may well be picked again) left it waiting for a time slice
-
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef class Core:
@@ -202,7 +178,7 @@ cdef class Core:
     def wait(self, int64_t seq, double seconds):
         """Until every peer has stamped ``seq`` (True) or ``seconds`` have passed (False),
         yielding the core between looks (sleeping between them after the first
-        ``_SPIN_BEFORE_NAPS``), without the GIL; True once released, before it or
+        200 us), without the GIL; True once released, before it or
         while it waits (the lane closed: its waiter looks again and finds its request
         failed)."""
         cdef Py_ssize_t base = self._base(seq)
@@ -214,19 +190,14 @@ cdef class Core:
             return True  # released (the lane closed): nothing to wait for, look again
         self._check(seq)
         cdef double now, naps_from
-        cdef timespec nap
-        nap.tv_sec, nap.tv_nsec = 0, _NAP_NS
         with nogil:
-            now = _now()
-            end, naps_from = now + seconds, now + _SPIN_BEFORE_NAPS
+            now = ar_now()
+            end, naps_from = now + seconds, now + AR_SPIN_BEFORE_NAPS
             there = self._stamped(base, stamp)
             while not there and not ar_load_acquire(&self._released) and now < end:
-                if now < naps_from:
-                    sched_yield()
-                else:
-                    nanosleep(&nap, NULL)
+                ar_pause(now, naps_from)
                 there = self._stamped(base, stamp)
-                now = _now()
+                now = ar_now()
         return there or self._released != 0
 
     cdef bint _fold(self, int64_t seq, object out, int dtype_code, int op) except -1:

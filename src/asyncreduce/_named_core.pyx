@@ -15,19 +15,14 @@ from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Relea
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 
 
-cdef extern from *:
-    """
-    #include <sched.h>
-    #include <stdint.h>
-    static inline void arn_store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-    static inline int64_t arn_load_acquire(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    """
-    void arn_store_release(int64_t *p, int64_t v) nogil
-    int64_t arn_load_acquire(const int64_t *p) nogil
-    int sched_yield() nogil
+cdef extern from "_spin.h":
+    void ar_store_release(int64_t *p, int64_t v) nogil
+    int64_t ar_load_acquire(const int64_t *p) nogil
+    double ar_now() nogil
+    void ar_pause(double now, double naps_from) nogil
+    double AR_SPIN_BEFORE_NAPS
 
 
 cdef extern from "_fold.h":
@@ -43,16 +38,6 @@ cdef enum:
     _AGREED = 1
     _DIFFERENT = 2
     _AGREED_UNFOLDED = 3  # every peer agrees; the fold is numpy's (a type C does not fold)
-    _NAP_NS = 20000
-
-cdef double _SPIN_BEFORE_NAPS = 200e-6  # as _mailbox_core.pyx's wait
-
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
-
 
 cdef class NamedCore:
     """Every rank's named slots (``regions``, in rank order, each from byte ``start``), as raw
@@ -121,7 +106,7 @@ cdef class NamedCore:
         cdef Py_buffer view
         self._check(slot)
         cdef int64_t *words = self._heads[self.rank] + slot * self.fields
-        arn_store_release(words, generation + 1)
+        ar_store_release(words, generation + 1)
         if data is not None:
             PyObject_GetBuffer(data, &view, PyBUF_ANY_CONTIGUOUS)
             try:
@@ -138,19 +123,19 @@ cdef class NamedCore:
         finally:
             PyBuffer_Release(&view)
         words[_KEY], words[_KEY + 1], words[_KEY + 2] = k0, k1, instance
-        arn_store_release(words, generation + 2)
+        ar_store_release(words, generation + 2)
         cdef int64_t *count = self._heads[self.rank] + self.count
-        arn_store_release(count, count[0] + 1)
+        ar_store_release(count, count[0] + 1)
 
     def withdraw(self, int slot, int64_t generation):
         """Take back this rank's ``slot`` (written at ``generation``): ``generation + 2``."""
         self._check(slot)
         cdef int64_t *words = self._heads[self.rank] + slot * self.fields
-        arn_store_release(words, generation + 1)
+        ar_store_release(words, generation + 1)
         words[_STATE] = 0
-        arn_store_release(words, generation + 2)
+        ar_store_release(words, generation + 2)
         cdef int64_t *count = self._heads[self.rank] + self.count
-        arn_store_release(count, count[0] + 1)
+        ar_store_release(count, count[0] + 1)
 
     cdef int _search(self, int r, int64_t k0, int64_t k1, int64_t instance,
                      int64_t *generation) noexcept nogil:
@@ -162,11 +147,11 @@ cdef class NamedCore:
         for i in range(-1, self.slots):
             slot = prefer if i < 0 else i
             words = heads + slot * self.fields
-            seen = arn_load_acquire(words)
+            seen = ar_load_acquire(words)
             if seen & 1 or seen == 0 or words[_STATE] != _HERE:
                 continue
             if words[_KEY] == k0 and words[_KEY + 1] == k1 and words[_KEY + 2] == instance \
-                    and arn_load_acquire(words) == seen:
+                    and ar_load_acquire(words) == seen:
                 generation[0] = seen
                 return slot
         return -1
@@ -179,10 +164,10 @@ cdef class NamedCore:
             if r == self.rank:
                 continue
             if found[3 * r] >= 0:
-                if arn_load_acquire(self._heads[r] + found[3 * r] * self.fields) == found[3 * r + 1]:
+                if ar_load_acquire(self._heads[r] + found[3 * r] * self.fields) == found[3 * r + 1]:
                     continue
                 found[3 * r] = -1
-            count = arn_load_acquire(self._heads[r] + self.count)
+            count = ar_load_acquire(self._heads[r] + self.count)
             if found[3 * r + 2] == count:
                 complete = False
                 continue
@@ -243,7 +228,7 @@ cdef class NamedCore:
             if not ar_fold(dtype, op, out.buf, self._parts, self.world, out.len):
                 return _AGREED_UNFOLDED
         for r in range(self.world):
-            if r != self.rank and arn_load_acquire(
+            if r != self.rank and ar_load_acquire(
                     self._heads[r] + at[3 * r] * self.fields) != at[3 * r + 1]:
                 if out.len:  # a peer took its slot back meanwhile: put this rank's part back
                     memcpy(out.buf, self._data[self.rank] + slot * self.slot_bytes, out.len)
@@ -261,12 +246,10 @@ cdef class NamedCore:
         cdef const int64_t *at
         cdef bint moved = False
         cdef double now, end, naps_from
-        cdef timespec nap
         cdef int r
         cdef object regions = self._regions  # alive until this returns, released or not
         if regions is None:
             return True
-        nap.tv_sec, nap.tv_nsec = 0, _NAP_NS
         PyObject_GetBuffer(found, &view, PyBUF_ANY_CONTIGUOUS)
         try:
             if view.len != 3 * self.world * 8:
@@ -278,20 +261,17 @@ cdef class NamedCore:
             else:
                 return True  # every peer is there: nothing to wait for
             with nogil:
-                now = _now()
-                end, naps_from = now + seconds, now + _SPIN_BEFORE_NAPS
+                now = ar_now()
+                end, naps_from = now + seconds, now + AR_SPIN_BEFORE_NAPS
                 while True:
                     for r in range(self.world):
                         if r != self.rank and at[3 * r] < 0 and \
-                                arn_load_acquire(self._heads[r] + self.count) != at[3 * r + 2]:
+                                ar_load_acquire(self._heads[r] + self.count) != at[3 * r + 2]:
                             moved = True
                     if moved or now >= end:
                         break
-                    if now < naps_from:
-                        sched_yield()
-                    else:
-                        nanosleep(&nap, NULL)
-                    now = _now()
+                    ar_pause(now, naps_from)
+                    now = ar_now()
         finally:
             PyBuffer_Release(&view)
         return moved

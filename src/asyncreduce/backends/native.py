@@ -102,6 +102,14 @@ class NativeBackend(EngineBackend):
             if lane.post(self._lane_op(plan, key, label, timeout, desc), request):
                 return
             announce = True  # a named one the lane could not take: the peers must hear
+        self.on_engine(plan, key, label, priority, timeout, request, announce)
+
+    def on_engine(
+        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
+        request: Request[Any], announce: bool = False,
+    ) -> None:  # fmt: skip
+        """Post ``plan`` on the engine (``announce``: tell every peer, whose lane may hold
+        the key: lane/named.py)."""
         algo, desc = self._built(plan, key, label)
         op = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
         op.announce = announce
@@ -292,8 +300,10 @@ class DirectCalls:
             made = lane.run_named(key, label, desc, head, flat, dtype, op, in_lane)
             if made is not False:
                 return made
+            request: Request[Any] = Request(label, runner)  # the lane cannot take it: the engine
             plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)
-            return backend.run(plan, key, label, priority, None, runner)
+            backend.on_engine(plan, key, label, priority, None, request, announce=True)
+            return request
         if lane is not None and not key[0]:
             backend.admitted(label, desc)
             in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,

@@ -152,10 +152,9 @@ class Lane:
             if self._closed:
                 raise ClosedError(f"{op.label}: the communicator is closed")
             assert self.named is not None  # (``takes``)
-            op.request.mover = self
             if not self.named.post(op):
-                op.request.mover = None
                 return False
+            op.request.mover = self  # (set under the lock: nobody moves it before)
             self.moved_at = time.monotonic()
         return True
 

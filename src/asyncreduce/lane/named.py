@@ -140,7 +140,7 @@ class NamedOps:
         words, found = key_words(*key), found_for(self.slots.world_size)
         posted = time.monotonic()
         with self._lock:
-            if self.closed_with is not None or key in self._running:
+            if self.closed_with is not None:
                 return False
             slot = self._publish(key, words, head, flat)
             if slot < 0:
@@ -205,8 +205,7 @@ class NamedOps:
     # ---- the steps -------------------------------------------------------------------------
 
     def _publish(self, key: Key, words: KeyWords, head: SlotHeader, flat: Array) -> int:
-        if key in self._elsewhere:
-            del self._elsewhere[key]
+        if key in self._elsewhere:  # (kept: a second try, by any path, is refused as well)
             return -1
         return self.slots.publish(words, head, flat)
 

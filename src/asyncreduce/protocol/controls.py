@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import BrokenError
 from ..transport.frame import Descriptor, Header
@@ -30,17 +31,14 @@ log = logging.getLogger("asyncreduce.engine")
 class ControlTraffic(SessionParts):
     """What the Session says and hears besides an operation's data (see above)."""
 
-    def fail_all(self, error: BaseException, about: tuple[Key, Descriptor] | None = None) -> None:
-        raise NotImplementedError  # (the Session's)
+    if TYPE_CHECKING:  # the Session's ways to end an operation (session.py)
 
-    def _fail(self, op: Operation, error: BaseException) -> None:
-        raise NotImplementedError  # (the Session's)
-
-    def _fail_everywhere(self, op: Operation, error: BaseException) -> None:
-        raise NotImplementedError  # (the Session's)
-
-    def _maybe_complete(self, op: Operation) -> None:
-        raise NotImplementedError  # (the Session's)
+        def fail_all(
+            self, error: BaseException, about: tuple[Key, Descriptor] | None = None
+        ) -> None: ...
+        def _fail(self, op: Operation, error: BaseException) -> None: ...
+        def _fail_everywhere(self, op: Operation, error: BaseException) -> None: ...
+        def _maybe_complete(self, op: Operation) -> None: ...
 
     def tick(self, now: float) -> None:
         """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a

@@ -5,8 +5,9 @@
 # It runs the system python3 (or $PYTHON) with PYTHONPATH=src: no venv, no pip. Steps, each
 # under `timeout`, at most 8 minutes in all:
 #   1. probe  (30 s)  what torch sees; no CUDA GPU: say why, exit 3
-#   2. build  (60 s)  cythonize -i the C helpers (_mailbox_core, _stream_core) with
-#                     pyproject's flags; where that fails the package runs without them (numpy)
+#   2. build  (60 s)  cythonize -i the C helpers (samehost/_mailbox_core, samehost/_named_core,
+#                     transport/_stream_core) with pyproject's flags; where that fails the
+#                     package runs without them (numpy)
 #   3. tests (150 s)  tests/test_torch_cuda.py, test_engines_cuda.py, test_torch_amp.py (those
 #                     present), junit XML in OUTDIR/pytest_cuda.xml, output in pytest_cuda.txt
 #   4. bench (235 s)  asyncreduce bench gpu: OUTDIR/bench_gpu.json (+ .png with matplotlib)
@@ -47,7 +48,8 @@ step() {  # step NAME SECONDS SIGNAL CMD...: CMD under timeout, then "NAME rc se
 
 # the C helpers, built in place with the flags pyproject.toml gives setuptools
 BUILD=(env "CFLAGS=-O3 -fwrapv -ffp-contract=off ${CFLAGS:-}" "$PY" -m Cython.Build.Cythonize
-  -i -q src/asyncreduce/_mailbox_core.pyx src/asyncreduce/_stream_core.pyx)
+  -i -q src/asyncreduce/samehost/_mailbox_core.pyx src/asyncreduce/samehost/_named_core.pyx
+  src/asyncreduce/transport/_stream_core.pyx)
 
 if [ "${1:-}" = "--build-only" ]; then
   STEPS=/dev/null

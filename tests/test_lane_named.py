@@ -40,7 +40,7 @@ from asyncreduce.transport.frame import Descriptor
 from spmd import run_ranks
 
 RUNNER = CallbackRunner("test-lane-named")
-NATIVE = pytest.mark.skipif(NamedCore is None, reason="asyncreduce._named_core not built")
+NATIVE = pytest.mark.skipif(NamedCore is None, reason="asyncreduce.samehost._named_core not built")
 
 
 @pytest.fixture(params=[NamedSlots, pytest.param(NativeNamedSlots, marks=NATIVE)],

@@ -1,4 +1,4 @@
-"""The C mailbox (_mailbox_core.pyx, mailbox.NativeMailbox) against the Python one.
+"""The C mailbox (samehost/_mailbox_core.pyx, mailbox.NativeMailbox) against the Python one.
 
 Both mailboxes over the same regions must be interchangeable: what one publishes the other
 reads, and their folds give the same bits for every element type and reduction the
@@ -34,7 +34,7 @@ from asyncreduce.samehost.mailbox import (
 )
 from asyncreduce.transport.frame import Descriptor
 
-BUILT = pytest.mark.skipif(Core is None, reason="asyncreduce._mailbox_core not built")
+BUILT = pytest.mark.skipif(Core is None, reason="asyncreduce.samehost._mailbox_core not built")
 
 FOLDED = ("float32", "float64", "int8", "int16", "int32", "int64", "uint8")
 NOT_FOLDED = ("bool", "float16", "bfloat16", "complex64", "complex128")
@@ -241,24 +241,3 @@ def test_the_set_up_command_built_it_where_a_compiler_is() -> None:
     it should have been.)"""
     assert shutil.which("cc") is None or Core is not None
 
-
-def test_the_c_fold_codes_are_the_kernels_code_table() -> None:
-    """_fold.h restates kernels/reduction.py's codes as C enums: each name there must carry the
-    code the table gives it (a renumbered reduction would otherwise fold the wrong way)."""
-    import re
-    from pathlib import Path
-
-    import asyncreduce
-
-    header = (Path(asyncreduce.__file__).parent / "_fold.h").read_text()
-    enums = {name: int(code) if code else None
-             for block in re.findall(r"enum \{([^}]*)\}", header)
-             for name, code in re.findall(r"AR_(\w+)(?: = (\d+))?", block)}  # fmt: skip
-    reductions, previous = {}, 0
-    for name in [n for n in enums if n.lower() in REDUCTION_CODES]:  # `= 1`, then counting up
-        reductions[name.lower()] = previous = enums[name] or previous + 1
-    assert reductions == REDUCTION_CODES
-    short = {"F32": "float32", "F64": "float64", "I32": "int32", "I64": "int64", "U8": "uint8",
-             "I8": "int8", "I16": "int16"}  # fmt: skip
-    typed = {short[n]: code for n, code in enums.items() if n in short}
-    assert typed == {name: DTYPES[name].code for name in typed} and len(typed) == len(short)

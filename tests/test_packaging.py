@@ -16,6 +16,35 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (the suite's own interp
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
+#: The C helpers' sources, each next to its Python user, and the headers they include
+C_SOURCES = ("samehost/_mailbox_core.pyx", "samehost/_named_core.pyx", "samehost/_spin.h",
+             "transport/_stream_core.pyx", "kernels/_fold.h", "samehost/_mailbox_core.pyi",
+             "samehost/_named_core.pyi", "transport/_stream_core.pyi")  # fmt: skip
+
+
+def test_each_c_helper_is_built_from_its_place_with_headers_found_from_there() -> None:
+    """pyproject's extensions are the C sources where they are, by their new names; every
+    header a .pyx includes is found from its folder, as the C compiler looks (no include-dirs:
+    `pip install .` and `cythonize -i` in scripts/gpu_check.sh build the same sources)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules = {m["name"]: m["sources"] for m in setuptools["ext-modules"]}
+    assert modules == {
+        "asyncreduce.samehost._mailbox_core": ["src/asyncreduce/samehost/_mailbox_core.pyx"],
+        "asyncreduce.samehost._named_core": ["src/asyncreduce/samehost/_named_core.pyx"],
+        "asyncreduce.transport._stream_core": ["src/asyncreduce/transport/_stream_core.pyx"],
+    }
+    package = ROOT / "src" / "asyncreduce"
+    assert not list(package.glob("_*_core*")), "a C helper (or an old build of one) at the top"
+    build = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    for sources in modules.values():
+        (source,) = sources
+        assert source in build, f"scripts/gpu_check.sh does not build {source}"
+        pyx = ROOT / source
+        for header in re.findall(r'cdef extern from "([^"<>]+\.h)"', pyx.read_text()):
+            found = (pyx.parent / header).resolve()
+            assert found.is_file(), f"{source} includes {header}: not at {found}"
+            assert found.relative_to(package).as_posix() in C_SOURCES, found
+
 
 def test_the_license_file_is_the_license_the_metadata_names() -> None:
     text = (ROOT / "LICENSE").read_text()
@@ -66,9 +95,9 @@ def test_asyncreduce_torch_without_torch_says_what_to_install() -> None:
 
 @pytest.mark.slow
 def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_path: Path) -> None:
-    """The C mailbox and stream look are optional: a wheel built where the compiler fails has
-    no extension, installs, and folds with numpy (the suite runs both ways where they were
-    built)."""
+    """The C mailbox, named slots and stream look are optional: a wheel built where the
+    compiler fails has no extension, installs, and folds with numpy (the suite runs both ways
+    where they were built). It still ships their sources and headers (C_SOURCES)."""
     env = {**os.environ, "CC": "false", "LDSHARED": "false"}
     source, wheels = tmp_path / "source", tmp_path / "wheel"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(  # no earlier build's output
@@ -78,10 +107,15 @@ def test_without_a_c_compiler_it_installs_and_runs_on_the_python_mailbox(tmp_pat
     (wheel,) = wheels.glob("asyncreduce-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(tmp_path / "site"), str(wheel)], check=True, timeout=300)  # fmt: skip
-    assert not list((tmp_path / "site" / "asyncreduce").glob("_*_core*.so"))
+    assert not list((tmp_path / "site" / "asyncreduce").rglob("*.so"))
+    shipped = {p.relative_to(tmp_path / "site" / "asyncreduce").as_posix()
+               for p in (tmp_path / "site" / "asyncreduce").rglob("_*")}  # fmt: skip
+    assert set(C_SOURCES) <= shipped, set(C_SOURCES) - shipped
     probe = (
         "import numpy as np, asyncreduce.samehost.mailbox as m, asyncreduce.transport.pairs as t\n"
+        "import asyncreduce.samehost.named as n\n"
         "assert m.Core is None and not m.native_wanted(), m.__file__\n"
+        "assert n.NamedCore is None\n"
         "assert t.native_take is None and not t.native_take_wanted()\n"
         "r = [np.zeros(m.region_bytes(), np.uint8) for _ in range(2)]\n"
         "a, b = m.Mailbox(0, r[0], {1: r[1]}), m.Mailbox(1, r[1], {0: r[0]})\n"

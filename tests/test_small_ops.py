@@ -512,12 +512,14 @@ def body_direct_mismatch(comm: ar.Communicator) -> dict[str, Any]:
 _WITHOUT_C = textwrap.dedent(
     """
     import sys
-    sys.modules["asyncreduce._stream_core"] = None  # (importing it raises ImportError)
-    sys.modules["asyncreduce._mailbox_core"] = None
+    for helper in ("transport._stream_core", "samehost._mailbox_core", "samehost._named_core"):
+        sys.modules["asyncreduce." + helper] = None  # (importing it raises ImportError)
     import numpy as np
     import asyncreduce as ar
+    from asyncreduce.samehost import mailbox, named
     from asyncreduce.transport import pairs
     assert pairs.native_swaps is None and pairs.native_take is None
+    assert mailbox.Core is None and named.NamedCore is None
     comm = ar.init()
     n = comm.world_size
     for i in range(150):

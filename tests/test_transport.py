@@ -43,11 +43,11 @@ from asyncreduce.transport.pairs import native_take
 from asyncreduce.transport.tcp import TcpTransport
 
 try:
-    from asyncreduce._stream_core import COMBINED as COMBINED_HERE
-    from asyncreduce._stream_core import FRAME as FRAME_HERE
-    from asyncreduce._stream_core import combines as native_combines
-    from asyncreduce._stream_core import swap as native_swap
-    from asyncreduce._stream_core import swaps as native_swaps
+    from asyncreduce.transport._stream_core import COMBINED as COMBINED_HERE
+    from asyncreduce.transport._stream_core import FRAME as FRAME_HERE
+    from asyncreduce.transport._stream_core import combines as native_combines
+    from asyncreduce.transport._stream_core import swap as native_swap
+    from asyncreduce.transport._stream_core import swaps as native_swaps
 except ImportError:  # not built: the C tests skip
     native_swap = native_swaps = None  # type: ignore[assignment]
 
@@ -402,7 +402,7 @@ def tcp_pair(native: bool = True) -> tuple[TcpTransport, Sink, TcpTransport, Sin
     """Two transports over a real loopback TCP connection (as the mesh makes them), whose
     take_frame looks in C (``native``, where it was built) or in Python."""
     if native and native_take is None:
-        pytest.skip("asyncreduce._stream_core was not built")
+        pytest.skip("asyncreduce.transport._stream_core was not built")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         a = socket.create_connection(listener.getsockname())
         b, _ = listener.accept()
@@ -555,7 +555,7 @@ def _operands(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndar
     return a, b
 
 
-@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce.transport._stream_core was not built")
 @pytest.mark.parametrize(("dtype", "op"), NATIVE_COMBINES)
 def test_swap_combines_what_arrives_as_numpy_does(dtype: str, op: str) -> None:
     """A direct run's step in one call: its frame sent, the partner's taken and combined into
@@ -580,13 +580,13 @@ def test_swap_combines_what_arrives_as_numpy_does(dtype: str, op: str) -> None:
         with np.errstate(all="ignore"):
             combine(DTYPES[dtype], op, want, theirs, incoming_first)
         if dtype.startswith("float") and op not in ("max", "min"):  # which NaN a sum of two
-            both = np.isnan(mine) & np.isnan(theirs)  # keeps is the compiler's (_fold.h)
+            both = np.isnan(mine) & np.isnan(theirs)  # keeps is the compiler's (kernels/_fold.h)
             assert np.isnan(acc[both]).all()
             acc[both] = want[both] = 0
         assert acc.tobytes() == want.tobytes(), (dtype, op, incoming_first)
 
 
-@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce.transport._stream_core was not built")
 def test_only_what_c_combines_is_given_to_it() -> None:
     for dtype in ("float16", "bfloat16", "bool", "complex64", "complex128"):
         assert not native_combines(DTYPES[dtype].code, REDUCTION_CODES["sum"]), dtype
@@ -720,7 +720,7 @@ def test_a_swap_whose_frame_does_not_leave_whole_sends_the_buffer_as_it_was(nati
     tb.close()
 
 
-@pytest.mark.skipif(native_swap is None, reason="asyncreduce._stream_core was not built")
+@pytest.mark.skipif(native_swap is None, reason="asyncreduce.transport._stream_core was not built")
 def test_swap_leaves_what_does_not_lie_at_whole_elements_to_its_caller() -> None:
     """C combines whole elements only where both the buffer and the partner's payload lie at
     a multiple of their size; a name of odd length, or an array that starts off one, gets

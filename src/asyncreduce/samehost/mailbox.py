@@ -45,7 +45,7 @@ from ..envvars import native_allowed
 from ..kernels.reduction import DType, fold_quietly
 
 try:
-    from .._mailbox_core import Core
+    from ._mailbox_core import Core
 except ImportError:  # not built (no C compiler at set-up): the Python mailbox alone
     Core = None  # type: ignore[assignment,misc]
 
@@ -216,7 +216,7 @@ class NativeMailbox(Mailbox):
     def __init__(self, rank: int, mine: Array, peers: dict[int, Array]) -> None:
         super().__init__(rank, mine, peers)
         if Core is None:
-            raise RuntimeError("asyncreduce._mailbox_core was not built: use Mailbox")
+            raise RuntimeError("asyncreduce.samehost._mailbox_core was not built: use Mailbox")
         regions = [mine if r == rank else peers[r] for r in range(self.world_size)]
         self._core = Core(rank, regions, SLOTS, _FIELDS, _HEAD_WORDS, _DATA, SLOT_BYTES)
 

@@ -34,7 +34,7 @@ from ..kernels.reduction import DType, fold_quietly
 from .mailbox import AGREED, DIFFERENT, HERE, SLOT_BYTES, WAITING, SlotHeader, region_bytes
 
 try:
-    from .._named_core import NamedCore
+    from ._named_core import NamedCore
 except ImportError:  # not built (no C compiler at set-up): the Python slots alone
     NamedCore = None  # type: ignore[assignment,misc]
 
@@ -277,7 +277,7 @@ class NativeNamedSlots(NamedSlots):
     def __init__(self, rank: int, mine: Array, peers: dict[int, Array]) -> None:
         super().__init__(rank, mine, peers)
         if NamedCore is None:
-            raise RuntimeError("asyncreduce._named_core was not built: use NamedSlots")
+            raise RuntimeError("asyncreduce.samehost._named_core was not built: use NamedSlots")
         regions = [mine if r == rank else peers[r] for r in range(self.world_size)]
         self._core = NamedCore(rank, regions, region_bytes(), NAMED_SLOTS, _FIELDS, _HEADS,
                                _ACKS, SLOT_BYTES)  # fmt: skip

@@ -29,13 +29,13 @@ if TYPE_CHECKING:
     from ..kernels.fold import Combining, Swap
 
 try:
-    from .._stream_core import COMBINED as COMBINED_HERE
-    from .._stream_core import FRAME, NOTHING, PART, UNSENT
-    from .._stream_core import MAX_HEAD as NATIVE_MAX_HEAD
-    from .._stream_core import combines as native_combines
-    from .._stream_core import swap as native_swap
-    from .._stream_core import swaps as native_swaps
-    from .._stream_core import take as native_take
+    from ._stream_core import COMBINED as COMBINED_HERE
+    from ._stream_core import FRAME, NOTHING, PART, UNSENT
+    from ._stream_core import MAX_HEAD as NATIVE_MAX_HEAD
+    from ._stream_core import combines as native_combines
+    from ._stream_core import swap as native_swap
+    from ._stream_core import swaps as native_swaps
+    from ._stream_core import take as native_take
 except ImportError:  # not built (no C compiler at set-up): the Python look alone
     native_take = native_swap = native_swaps = native_combines = None  # type: ignore[assignment]
     NATIVE_MAX_HEAD = 0  # type: ignore[misc]

@@ -4,8 +4,8 @@ slots, the fold of every rank's contribution with the check that no slot moved m
 acknowledgements, and a wait for the peers that spins without the GIL. samehost/named.py's
 ``NamedSlots`` is the reference: the layout, the meaning and the results are its own
 (``NativeNamedSlots`` there uses this module where it was built; the tests run both). The
-fold is _fold.h's, as in _mailbox_core.pyx (whose docstring says what it takes and why every
-rank gets the same bits).
+fold is kernels/_fold.h's, as in _mailbox_core.pyx (whose docstring says what it takes and why
+every rank gets the same bits).
 
 Generations and counts are stored with release and loaded with acquire order, so a reader
 that sees one sees what was written before it on any CPU; on x86-64 both are plain moves.
@@ -25,7 +25,7 @@ cdef extern from "_spin.h":
     double AR_SPIN_BEFORE_NAPS
 
 
-cdef extern from "_fold.h":
+cdef extern from "../kernels/_fold.h":
     int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
 
 

@@ -1,14 +1,19 @@
-/* The C reductions of asyncreduce's native helpers (_mailbox_core.pyx: a lane operation's
-   fold of every rank's part; _stream_core.pyx: a direct run's step of recursive doubling).
-   One copy of the arithmetic, so both give numpy's bits: see _mailbox_core.pyx's docstring
-   (built with -fwrapv and -ffp-contract=off, never -ffast-math). */
+/* The C reductions of asyncreduce's native helpers (samehost/_mailbox_core.pyx and
+   samehost/_named_core.pyx: a lane operation's fold of every rank's part;
+   transport/_stream_core.pyx: a direct run's step of recursive doubling), which include it as
+   "../kernels/_fold.h". One copy of the arithmetic, so all give numpy's bits: see
+   _mailbox_core.pyx's docstring (built with -fwrapv and -ffp-contract=off, never -ffast-math).
+   reduction.py next to it is the reference, in numpy, and the source of the codes below. */
 #ifndef ASYNCREDUCE_FOLD_H
 #define ASYNCREDUCE_FOLD_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-/* reduction.REDUCTION_CODES and reduction.DTYPES' codes */
+/* Copies of kernels/reduction.py's code table, which is the source: AR_<REDUCTION> is
+   REDUCTION_CODES["<reduction>"], AR_F32 ... AR_I16 are DTYPES["float32" ... "int16"].code.
+   Change a number there, never here alone; tests/test_fold_codes.py reads these two enums
+   and fails on any code that differs from the table, or a name it does not know. */
 enum { AR_SUM = 1, AR_AVG, AR_MAX, AR_MIN, AR_PROD, AR_BAND, AR_BOR, AR_BXOR };
 enum { AR_F32 = 2, AR_F64 = 3, AR_I32 = 4, AR_I64 = 5, AR_U8 = 6, AR_I8 = 8, AR_I16 = 12 };
 

@@ -1,6 +1,6 @@
-/* What the C helpers that wait on shared memory share (_mailbox_core.pyx, _named_core.pyx):
-   stores with release and loads with acquire order (plain moves on x86-64), a monotonic clock
-   in seconds, and a waiter's pause between two looks. */
+/* What the C helpers that wait on shared memory share (_mailbox_core.pyx and _named_core.pyx,
+   next to it): stores with release and loads with acquire order (plain moves on x86-64), a
+   monotonic clock in seconds, and a waiter's pause between two looks. */
 #ifndef ASYNCREDUCE_SPIN_H
 #define ASYNCREDUCE_SPIN_H
 

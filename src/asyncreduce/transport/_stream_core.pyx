@@ -42,7 +42,7 @@ cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
 
-cdef extern from "_fold.h" nogil:
+cdef extern from "../kernels/_fold.h" nogil:
     int ar_combine(int dtype, int op, void *acc, const void *incoming, Py_ssize_t nbytes,
                    int incoming_first)
     int ar_itemsize(int dtype)

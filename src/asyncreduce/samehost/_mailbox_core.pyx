@@ -8,7 +8,7 @@ where it was built; the tests run both).
 Stamps are stored with release and loaded with acquire order, so a reader that sees a stamp
 sees the slot written before it on any CPU; on x86-64 both are plain moves, as in Python.
 
-The fold (``ar_fold``, in _fold.h) takes float32, float64, int8, int16, int32, int64 and
+The fold (``ar_fold``, in kernels/_fold.h) takes float32, float64, int8, int16, int32, int64 and
 uint8 with every reduction that the communicator accepts for them; ``collect`` says 3 for
 anything else (bool, float16, bfloat16, complex), which mailbox.py then folds with numpy.
 Each element is combined left to right in rank order as numpy's ufuncs do it (``a + b``; max
@@ -39,7 +39,7 @@ cdef extern from "_spin.h":
     double AR_SPIN_BEFORE_NAPS
 
 
-cdef extern from "_fold.h":
+cdef extern from "../kernels/_fold.h":
     int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
 
 

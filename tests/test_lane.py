@@ -53,7 +53,7 @@ BULK_FLOATS = 4 << 20  # 16 MiB: the engine's bulk path beside the lane
 # ---- one process: lanes over plain arrays -------------------------------------------------
 
 
-NATIVE = pytest.mark.skipif(Core is None, reason="asyncreduce._mailbox_core not built")
+NATIVE = pytest.mark.skipif(Core is None, reason="asyncreduce.samehost._mailbox_core not built")
 
 
 @pytest.fixture(params=[Mailbox, pytest.param(NativeMailbox, marks=NATIVE)],
@@ -106,7 +106,8 @@ def run_here(lane: Lane, op: LaneOp) -> tuple[Request[Any] | None, Adopted]:
     """``Lane.run_waiting`` as the backend calls it for a blocking allreduce."""
     adopt = Adopted(op)
     buf = op.buf
-    return lane.run_waiting(op.seq, op.header, buf.flat, buf.dtype, op.op, op.timeout, adopt), adopt
+    return lane.run_waiting(op.key, op.label, op.desc, op.header, buf.flat, buf.dtype, op.op,
+                            op.timeout, adopt), adopt  # fmt: skip
 
 
 def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
@@ -443,7 +444,8 @@ def test_an_exception_in_run_after_it_published_leaves_the_operation_to_the_lane
 
         setattr(mailbox, where, once)
     with pytest.raises(KeyboardInterrupt):
-        lane.run_waiting(0, mine.header, mine.buf.flat, mine.buf.dtype, "sum", None, adopt)
+        lane.run_waiting(mine.key, mine.label, mine.desc, mine.header, mine.buf.flat,
+                         mine.buf.dtype, "sum", None, adopt)  # fmt: skip
     assert not mine.request.done()
     theirs = [lane_op(0, np.full(2, 2.0, np.float32))]
     post(world.lanes[1], theirs[0])
@@ -949,3 +951,34 @@ def test_a_stopped_peer_fails_the_lane_after_the_peer_timeout() -> None:
         got = results[rank]
         assert "rank 2" in got["message"] and "heartbeat" in got["message"], got
         assert 0.9 < got["took"] < 6, got
+
+
+def body_flight_of_every_way(comm: ar.Communicator) -> dict[str, Any]:
+    """One operation of each way an operation goes (protocol/route.py): blocking unnamed and
+    named ones through the lane, posted ones through it, a large one on the engine, and a
+    group's barrier on the engine; each settled in the flight record once, as done."""
+    lane = _lane_of(comm)
+    assert lane is not None
+    for i in range(5):
+        comm.allreduce(np.full(256, 1.0, np.float32))  # blocking, unnamed: the lane, no request
+        comm.allreduce(np.full(256, 1.0, np.float32), name=f"named{i}")
+    comm.iallreduce(np.ones(16, np.float32), name="posted").wait(timeout=20)
+    comm.allreduce(np.ones(1 << 17, np.float32), name="large")  # 512 KiB: the engine
+    comm.group([0, 1]).barrier()
+    records = comm.flight_record()["records"]
+    return {
+        "names": sorted(r["name"] for r in records),
+        "states": sorted({r["state"] for r in records}),
+        "ran": lane.ran,
+    }
+
+
+def test_every_way_an_operation_goes_settles_it_in_the_flight_record() -> None:
+    results = run_ranks(2, body_flight_of_every_way)
+    for got in results.values():
+        names = got["names"]
+        assert names.count("") >= 5, got  # the unnamed ones (run on the caller's thread: ran)
+        assert [n for n in names if n.startswith("named")] == [f"named{i}" for i in range(5)]
+        assert "posted" in names and "large" in names, got
+        assert got["states"] == ["done"], got
+        assert got["ran"] >= 5, got

@@ -14,6 +14,7 @@ they are as good as the hosts' clock synchronisation.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -24,7 +25,9 @@ from typing import Any
 
 from .errors import ranks_phrase
 
-__all__ = ["FlightRecorder", "Record", "culprit", "load_dumps"]
+__all__ = ["FlightRecorder", "Record", "culprit", "load_dumps", "settle"]
+
+log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
 
 _FORMAT = "asyncreduce-flight-record/1"
 _Ran = tuple[bytes, int, Any, int, float, float]  # FlightRecorder.ran's arguments
@@ -43,6 +46,25 @@ class Record:
     state: str = "pending"  # pending, done, failed
     finished_at: float | None = None
     error: str | None = None
+
+
+def settle(
+    flight: FlightRecorder | None, rank: int, label: str, key: tuple[bytes, int], desc: Any,
+    priority: int, posted: float, ended: float, error: BaseException | None = None,
+    record: Record | None = None,
+) -> None:  # fmt: skip
+    """How an operation ended, recorded the same way whichever way it went (the engine, a
+    direct run, the lane; protocol/route.py): its ``record`` finished, or, where none was kept
+    and it completed (it ran on its caller's thread: ``posted`` and ``ended`` monotonic), one
+    kept for it (``FlightRecorder.ran``); and the per-operation DEBUG line. Call it before the
+    request completes: its waiter may log next."""
+    if flight is not None:
+        if record is not None:
+            flight.finish(record, error)
+        elif error is None:
+            flight.ran(key[0], key[1], desc, priority, posted, ended)
+    if log_ops.isEnabledFor(logging.DEBUG):
+        log_ops.debug("rank %d ends %s: %s", rank, label, error or "done")
 
 
 class FlightRecorder:

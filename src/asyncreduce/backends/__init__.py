@@ -1,6 +1,6 @@
 """The backends a communicator runs its operations on (the interface: base.py).
 
-``native.py``: our own engine (and ``LocalBackend``, a world of one); ``ordered/backend.py``:
+``native.py``: our own engine (``local.py``: a world of one); ``ordered/backend.py``:
 the engines that need one order on every rank (MPI, torch.distributed). ``backend_for`` picks
 the one for the engine a communicator is built over.
 """
@@ -11,7 +11,8 @@ from ..engine import Engine
 from ..samehost.cma import CrossMemory
 from ..samehost.planes import SharedPlanes
 from .base import Backend
-from .native import LocalBackend, NativeBackend
+from .local import LocalBackend
+from .native import NativeBackend
 from .ordered.backend import OrderedBackend
 from .ordered.engine import OrderedEngine
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -24,7 +24,6 @@ from ..algorithms import (
     KINDS,
     REDUCIBLE,
     REDUCTION_CODES,
-    SMALL_ALLREDUCE_BYTES,
     Array,
     Barrier,
     Collective,
@@ -37,11 +36,12 @@ from ..algorithms import (
 )
 from ..buffers import Buffer, as_buffer, numpy_dtype
 from ..engine import Engine
-from ..errors import BrokenError, ClosedError, UsageError
+from ..errors import BrokenError, ClosedError
 from ..keys import Key
 from ..lane import Lane, LaneOp
 from ..plans import Plan
 from ..protocol.operation import Operation
+from ..protocol.route import Reach, Way, route, small
 from ..request import CallbackRunner, Request
 from ..samehost.mailbox import HERE, Mailbox, SlotHeader, header
 from ..samehost.named import NamedSlots
@@ -52,11 +52,12 @@ from .common import EngineBackend, log_post
 if TYPE_CHECKING:
     from .ordered.engine import OrderedEngine
 
-__all__ = ["DirectCalls", "LocalBackend", "NativeBackend"]
+__all__ = ["Described", "DirectCalls", "NativeBackend", "adopter", "built"]
 
-_DIRECT_KINDS = ("allreduce", "barrier")  # what Engine.run_direct may run on its caller's thread,
-_DIRECT_ALGORITHMS = (RecursiveDoubling, Barrier)  # built as these (a group's are wrapped)
-Prepared = tuple[DType, Descriptor, SlotHeader]  # DirectCalls.prepared: type, descriptor, header
+ENGINE, DIRECT, LANE = Way.ENGINE, Way.DIRECT, Way.LANE
+
+Prepared = tuple[DType, Descriptor, SlotHeader]  # Described: type, descriptor, slot header
+_KEPT = 256  # Described: at most this many (a loop posts the same few)
 
 
 def built(
@@ -87,18 +88,23 @@ class NativeBackend(EngineBackend):
         self.rank, self.world_size = rank, world_size  # the communicator's numbering
         self.planes = planes
         self.members = tuple(range(engine.world_size)) if members is None else members
-        self._translated = self.members != tuple(range(engine.world_size))  # a true subgroup
-        self.lane: Lane | None = None  # the world's same-host lane, once opened (lane.py)
-        self._known: dict[tuple[str, int, str, int], tuple[Descriptor, SlotHeader]] = {}
+        self.whole = self.members == tuple(range(engine.world_size))  # not a true subgroup
+        self.lane: Lane | None = None  # the world's same-host lane, once opened (lane/)
+        self.reach = Reach.NONE  # what the lane takes (protocol/route.py)
+        self.described = Described()
+
+    def way(self, kind: str, nbytes: int, key: Key, waiting: bool) -> Way:
+        """Where an operation goes (protocol/route.py)."""
+        return route(kind, nbytes, bool(key[0]), self.reach, waiting, self.whole)
 
     def submit(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         request: Request[Any],
     ) -> None:  # fmt: skip
-        lane = self.lane
         announce = False
-        if lane is not None and lane.takes(plan.kind, plan.buf, key):
-            desc, _ = self._described(plan, label)
+        lane = self.lane
+        if lane is not None and self.way(plan.kind, plan.buf.flat.nbytes, key, False) is LANE:
+            _, desc, _ = self._admitted(plan, label)
             if lane.post(self._lane_op(plan, key, label, timeout, desc), request):
                 return
             announce = True  # a named one the lane could not take: the peers must hear
@@ -123,7 +129,7 @@ class NativeBackend(EngineBackend):
             plan, self.rank, self.world_size, self.planes
         )
         self.note_slot(key, desc)
-        if self._translated:
+        if not self.whole:
             engine = self.engine
             algo = Translated(algo, self.members, engine.rank, engine.world_size)
         log_post(self.rank, label, desc)
@@ -139,53 +145,56 @@ class NativeBackend(EngineBackend):
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
-        """``submit`` for a caller that waits for the operation at once: one the lane takes
-        runs on the caller's thread where it can (``Lane.run_waiting``), and so does a small
-        allreduce or a barrier the engine takes, over the sockets (``Engine.run_direct``); None:
-        done, its result is in place. Any other gets a request (``runner`` runs its
-        callbacks), returned."""
-        lane = self.lane
-        if lane is not None and key[0] and lane.takes(plan.kind, plan.buf, key):
+        """``submit`` for a caller that waits for the operation at once, the way ``route``
+        says: an unnamed one in the lane runs on the caller's thread where it can
+        (``Lane.run_waiting``), and so does a direct run (``Engine.run_direct``); None: done,
+        its result is in place. Any other gets a request (``runner`` runs its callbacks),
+        returned."""
+        buf = plan.buf
+        way = self.way(plan.kind, buf.flat.nbytes, key, True)
+        if way is ENGINE or way is DIRECT:
+            algo, desc = self._built(plan, key, label)
+            make = _operation(key, label, desc, algo, plan.result, priority, timeout)
+            adopt = adopter(label, runner, make)
+            if way is DIRECT:
+                assert isinstance(algo, (RecursiveDoubling, Barrier))  # (``route``)
+                return self.engine.run_direct(key, label, desc, algo, priority, timeout, adopt)
+            op = adopt()
+            self.engine.submit(op)
+            return op.request
+        if key[0]:
             request: Request[Any] = Request(label, runner)
             self.submit(plan, key, label, priority, timeout, request)
             return request
-        if lane is None or not lane.takes(plan.kind, plan.buf, key):
-            algo, desc = self._built(plan, key, label)
-            made = _adopter(key, label, desc, algo, plan.result, priority, timeout, runner)
-            if isinstance(algo, _DIRECT_ALGORITHMS) and plan.kind in _DIRECT_KINDS:
-                return self.engine.run_direct(key, label, desc, algo, priority, timeout, made)
-            op = made()
-            self.engine.submit(op)
-            return op.request
-        desc, head = self._described(plan, label)
+        assert self.lane is not None  # (``route``: LANE)
+        _, desc, head = self._admitted(plan, label)
         posted = time.monotonic() if timeout is not None else 0.0
-        buf, reduce_op = plan.buf, plan.op or "sum"
-        adopt = _lane_adopter(key, label, desc, lambda: buf, reduce_op, plan.result, timeout,
-                              posted, runner)  # fmt: skip
-        return lane.run_waiting(key[1], head, buf.flat, buf.dtype, reduce_op, timeout, adopt)
+        reduce_op = plan.op or "sum"
+        make_op = _lane_op(key, label, desc, lambda: buf, reduce_op, plan.result, timeout, posted)
+        adopt_op = adopter(label, runner, make_op)
+        return self.lane.run_waiting(key, label, desc, head, buf.flat, buf.dtype, reduce_op,
+                                     timeout, adopt_op)  # fmt: skip
 
     def _small_allreduce(self, plan: Plan) -> tuple[Collective, Descriptor] | None:
         """What ``built`` makes of a small allreduce (recursive doubling: no shared memory
-        under ``SMALL_ALLREDUCE_BYTES``), its descriptor kept (``_descriptor``): the most
-        frequent operation, whose general build cost as much as a look at the wire. None
-        for any other."""
+        when ``small``), its descriptor kept (``described``): the most frequent operation,
+        whose general build cost as much as a look at the wire. None for any other."""
         buf = plan.buf
-        if plan.kind != "allreduce" or buf.flat.nbytes > SMALL_ALLREDUCE_BYTES:
+        if plan.kind != "allreduce" or not small(buf.flat.nbytes):
             return None
         op = plan.op or "sum"
         algo = RecursiveDoubling(self.rank, self.world_size, buf.flat, buf.dtype, op)
-        return algo, self._descriptor(plan)[0]
+        return algo, self.described.plan(plan)[1]
 
     def _lane_op(
         self, plan: Plan, key: Key, label: str, timeout: float | None, desc: Descriptor
     ) -> LaneOp:
         return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
-    def _described(self, plan: Plan, label: str) -> tuple[Descriptor, SlotHeader]:
-        """A lane operation's descriptor and slot header (``_descriptor`` keeps them),
-        ``admitted``."""
-        found = self._descriptor(plan)
-        self.admitted(label, found[0])
+    def _admitted(self, plan: Plan, label: str) -> Prepared:
+        """A lane operation's type, descriptor and slot header (``described``), ``admitted``."""
+        found = self.described.plan(plan)
+        self.admitted(label, found[1])
         return found
 
     def admitted(self, label: str, desc: Descriptor) -> None:
@@ -198,26 +207,13 @@ class NativeBackend(EngineBackend):
             raise refused
         log_post(self.rank, label, desc)
 
-    def _descriptor(self, plan: Plan) -> tuple[Descriptor, SlotHeader]:
-        """A small allreduce's (or a barrier's) descriptor and lane slot header, kept per
-        kind, dtype, reduction and count (a loop posts the same few): building them costs
-        more than a look."""
-        buf = plan.buf
-        same = (plan.kind, buf.dtype.code, plan.op or "sum", buf.flat.size)
-        found = self._known.get(same)
-        if found is None:
-            if len(self._known) >= 256:
-                self._known.clear()
-            desc = plan.descriptor(0, buf.dtype.code)
-            found = self._known[same] = (desc, header(HERE, desc))
-        return found
-
     def open_lane(self, mailbox: Mailbox, named: NamedSlots | None = None) -> None:
         """Send the world's small allreduces through ``mailbox`` from now on, named ones too
         where there are ``named`` slots (every rank switches at the same point: after the
         collective that made the mailboxes)."""
         self.lane = Lane(mailbox, self.rank, self.world_size, self.convert, self.engine.nudge,
                          named, self.engine.flight)  # fmt: skip
+        self.reach = Reach.UNNAMED if named is None else Reach.NAMED
         self.engine.take_lane(self.lane)
 
     def convert(self, op: LaneOp) -> None:
@@ -243,171 +239,163 @@ class NativeBackend(EngineBackend):
         return dataclasses.replace(self.planes.data_plane("native"), lane=self.lane is not None)
 
 
-class DirectCalls:
-    """A communicator's blocking small allreduce of a numpy array, and its barrier, run on
-    the caller's thread (``Engine.run_direct``) in the fewest Python steps: the most frequent calls
-    of all (a loss, a metric, a layer's gradients in forward mode), where each step of the
-    general path (a ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at
-    the wire. The same operations as the general path's, key, descriptor and algorithm
-    alike; an allreduce this does not take (``prepared`` says None) the general path runs,
-    with its checks and errors."""
+class Described:
+    """The type, descriptor and lane slot header of the small operations a loop posts again and
+    again, kept per kind, element type, reduction and count (building them costs more than a
+    look at the wire), at most ``_KEPT`` of them; for the general path (``plan``) and the
+    direct calls (``array``) alike."""
 
-    def __init__(self, backend: NativeBackend) -> None:
-        self._backend = backend
-        self._known: dict[tuple[np.dtype[Any], str, int], Prepared | None] = {}
-        empty = numpy_dtype(np.dtype(np.uint8))
-        assert empty is not None
-        self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
+    def __init__(self) -> None:
+        self._known: dict[tuple[Any, ...], Prepared | None] = {}
 
-    def prepared(self, x: Array, op: str) -> Prepared | None:
-        """``x``'s element type, the operation's descriptor and lane slot header, if this runs
-        it: a small, contiguous, writable array and a reduction its type takes. Kept per
-        dtype, reduction and count (a loop posts the same)."""
+    def plan(self, plan: Plan) -> Prepared:
+        """``plan``'s (an allreduce or a barrier, checked by the caller)."""
+        buf, op = plan.buf, plan.op or "sum"
+        same = (plan.kind, buf.dtype.code, op, buf.flat.size)
+        found = self._known.get(same)
+        if found is None:
+            found = self._keep(same, _prepared(buf.dtype, plan.descriptor(0, buf.dtype.code)))
+        return found  # type: ignore[no-any-return]
+
+    def array(self, x: Array, op: str) -> Prepared | None:
+        """An allreduce of ``x``'s, if the direct calls run it: a small, contiguous, writable
+        array and a reduction its type takes (``DirectCalls``)."""
         flags = x.flags
         if not (flags.c_contiguous and flags.writeable):
             return None
         same = (x.dtype, op, x.size)
         found = self._known.get(same, False)
         if found is False:
-            found = self._learn(x, op)
-            if len(self._known) >= 256:
-                self._known.clear()
-            self._known[same] = found
+            found = self._keep(same, _allreduce(x, op))
         return found  # type: ignore[return-value]
 
-    def _learn(self, x: Array, op: str) -> Prepared | None:
-        dtype = numpy_dtype(x.dtype)
-        if dtype is None or (dtype.code, op) not in REDUCIBLE or x.nbytes > SMALL_ALLREDUCE_BYTES:
-            return None
-        desc = Descriptor(KINDS["allreduce"], dtype.code, REDUCTION_CODES[op], 0, x.size)
-        return dtype, desc, header(HERE, desc)
+    def _keep(self, same: tuple[Any, ...], found: Prepared | None) -> Any:
+        if len(self._known) >= _KEPT:
+            self._known.clear()
+        self._known[same] = found
+        return found
+
+
+def _allreduce(x: Array, op: str) -> Prepared | None:
+    """``Described.array``'s, made: None where the direct calls do not take it."""
+    dtype = numpy_dtype(x.dtype)
+    if dtype is None or (dtype.code, op) not in REDUCIBLE or not small(x.nbytes):
+        return None
+    return _prepared(dtype, Descriptor(KINDS["allreduce"], dtype.code, REDUCTION_CODES[op], 0,
+                                       x.size))  # fmt: skip
+
+
+def _prepared(dtype: DType, desc: Descriptor) -> Prepared:
+    return dtype, desc, header(HERE, desc)
+
+
+class DirectCalls:
+    """A communicator's blocking small allreduce of a numpy array, and its barrier, run on
+    the caller's thread in the fewest Python steps, the way ``route`` says (the lane's
+    ``run_waiting``/``run_named``, or ``Engine.run_direct``): the most frequent calls of all
+    (a loss, a metric, a layer's gradients in forward mode), where each step of the general
+    path (a ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at the
+    wire. The same operations as the general path's, key, descriptor and algorithm alike; an
+    allreduce this does not take (``prepared`` says None) the general path runs, with its
+    checks and errors."""
+
+    def __init__(self, backend: NativeBackend) -> None:
+        self._backend = backend
+        empty = numpy_dtype(np.dtype(np.uint8))
+        assert empty is not None
+        self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
+
+    def prepared(self, x: Array, op: str) -> Prepared | None:
+        """``x``'s element type, the operation's descriptor and lane slot header, if this runs
+        it (``Described.array``)."""
+        return self._backend.described.array(x, op)
 
     def allreduce(
         self, x: Array, prepared: Prepared, op: str, key: Key, label: str, priority: int,
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
-        """``Engine.run_direct`` of the allreduce of ``x`` (``prepared``), numbered ``key``, or
-        ``Lane.run_waiting`` where the lane takes it (unnamed; ``NativeBackend.run``'s checks):
+        """The allreduce of ``x`` (``prepared``), numbered ``key``, the way ``route`` says:
         None, done in place; else its request."""
         backend = self._backend
         dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
-        lane = backend.lane
-        if lane is not None and key[0] and lane.named is not None:
+        way = backend.way("allreduce", x.nbytes, key, True)
+        if way is LANE:
+            lane = backend.lane
+            assert lane is not None  # (``route``)
             backend.admitted(label, desc)
-            in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
-                                    None, 0.0, runner)  # fmt: skip
-            made = lane.run_named(key, label, desc, head, flat, dtype, op, in_lane)
+            make = _lane_op(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x, None, 0.0)
+            adopt = adopter(label, runner, make)
+            if not key[0]:
+                return lane.run_waiting(key, label, desc, head, flat, dtype, op, None, adopt)
+            made = lane.run_named(key, label, desc, head, flat, dtype, op, adopt)
             if made is not False:
                 return made
             request: Request[Any] = Request(label, runner)  # the lane cannot take it: the engine
             plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)
             backend.on_engine(plan, key, label, priority, None, request, announce=True)
             return request
-        if lane is not None and not key[0]:
-            backend.admitted(label, desc)
-            in_lane = _lane_adopter(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x,
-                                    None, 0.0, runner)  # fmt: skip
-            return lane.run_waiting(key[1], head, flat, dtype, op, None, in_lane)
         algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
         log_post(backend.rank, label, desc)
-        adopt = _adopter(key, label, desc, algo, lambda: x, priority, None, runner)
-        return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt)
+        if way is ENGINE:  # (a group's; DirectCalls is the world's: not today)
+            raise AssertionError(f"{label}: DirectCalls routed to the engine")
+        make_op = _operation(key, label, desc, algo, lambda: x, priority, None)
+        return backend.engine.run_direct(key, label, desc, algo, priority, None,
+                                         adopter(label, runner, make_op))  # fmt: skip
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
-        """``Engine.run_direct`` of a barrier numbered ``key`` (``Lane.run_waiting``, where the
-        lane takes it: ``NativeBackend.run``): None, done; else its request."""
+        """A barrier numbered ``key``, the way ``route`` says (the lane's through
+        ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
-        lane = backend.lane
-        if lane is not None and (not key[0] or lane.named is not None):
+        if backend.way("barrier", 0, key, True) is not DIRECT:
             return backend.run(plans.barrier(), key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)
-        adopt = _adopter(key, label, desc, algo, _nothing, 0, None, runner)
-        return backend.engine.run_direct(key, label, desc, algo, 0, None, adopt)
+        make = _operation(key, label, desc, algo, _nothing, 0, None)
+        return backend.engine.run_direct(key, label, desc, algo, 0, None,
+                                         adopter(label, runner, make))  # fmt: skip
 
 
-def _lane_adopter(
-    key: Key, label: str, desc: Descriptor, buffer: Callable[[], Buffer], op: str,
-    result: Callable[[], Any], timeout: float | None, posted: float, runner: CallbackRunner,
-) -> Callable[[], LaneOp]:  # fmt: skip
-    """How a blocking call makes its ``LaneOp`` (with a request whose callbacks ``runner``
-    runs) where ``Lane.run_waiting`` cannot finish it alone: only then, since most never need
-    one."""
+T = TypeVar("T", Operation, LaneOp)
 
-    def adopt() -> LaneOp:
-        made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
-        made.request = Request(label, runner)
-        return made
+
+def adopter(
+    label: str, runner: CallbackRunner, make: Callable[[Request[Any]], T]
+) -> Callable[[], T]:
+    """How a blocking call makes its operation, with a request whose callbacks ``runner``
+    runs, where it cannot finish on its caller's thread (``Engine.run_direct``'s and the
+    lane's ``adopt``): only then, since most never need one."""
+
+    def adopt() -> T:
+        return make(Request(label, runner))
 
     return adopt
+
+
+def _operation(
+    key: Key, label: str, desc: Descriptor, algo: Collective | RunsDirectly,
+    result: Callable[[], Any], priority: int, timeout: float | None,
+) -> Callable[[Request[Any]], Operation]:  # fmt: skip
+    """An engine operation of a run given up: the engine goes on with ``algo.algorithm``, from
+    wherever the run left it."""
+    return lambda request: Operation(key, label, desc, algo.algorithm, request, result,
+                                     priority, timeout)  # fmt: skip
+
+
+def _lane_op(
+    key: Key, label: str, desc: Descriptor, buffer: Callable[[], Buffer], op: str,
+    result: Callable[[], Any], timeout: float | None, posted: float,
+) -> Callable[[Request[Any]], LaneOp]:  # fmt: skip
+    """A lane operation of a run the lane's caller could not finish alone."""
+
+    def make(request: Request[Any]) -> LaneOp:
+        made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
+        made.request = request
+        return made
+
+    return make
 
 
 def _nothing() -> None:
     """A barrier's result."""
-
-
-def _adopter(
-    key: Key, label: str, desc: Descriptor, algo: Collective | RunsDirectly,
-    result: Callable[[], Any],
-    priority: int, timeout: float | None, runner: CallbackRunner,
-) -> Callable[[], Operation]:  # fmt: skip
-    """How a blocking call makes its ``Operation`` (with a request whose callbacks ``runner``
-    runs) where it cannot run on its caller's thread to the end (``Engine.run_direct``'s ``adopt``):
-    only then, since most never need one. The engine goes on with ``algo.algorithm``, from
-    wherever the run left it."""
-
-    def adopt() -> Operation:
-        request: Request[Any] = Request(label, runner)
-        return Operation(key, label, desc, algo.algorithm, request, result, priority, timeout)
-
-    return adopt
-
-
-class LocalBackend:
-    """A world of one: nothing to talk to; every operation completes as it is posted."""
-
-    devices = False
-    members: tuple[int, ...] = (0,)
-    engine: Engine | None = None
-    ordered: OrderedEngine | None = None
-    broken: BaseException | None = None
-
-    def __init__(self) -> None:
-        self.planes = SharedPlanes(False, None)
-
-    def refusal(self, plan: Plan, priority: int) -> str | None:
-        return None
-
-    def submit(
-        self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
-        request: Request[Any],
-    ) -> None:  # fmt: skip
-        algo, desc = built(plan, 0, 1, self.planes)
-        log_post(0, label, desc)
-        algo.start()
-        request.set_result(plan.result())
-
-    def group(self, members: tuple[int, ...]) -> LocalBackend:
-        return LocalBackend()
-
-    def close(self) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        pass
-
-    @property
-    def stall_reports(self) -> list[str]:
-        return []
-
-    @property
-    def data_plane(self) -> DataPlane:
-        return DataPlane("local")
-
-    def flight_record(self) -> dict[str, Any]:
-        return {"rank": 0, "world_size": 1, "records": []}
-
-    def dump_flight_record(self, path: str) -> str:
-        raise UsageError("a world of one records no operations")

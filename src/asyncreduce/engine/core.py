@@ -41,12 +41,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import forks
-from ..algorithms import SMALL_ALLREDUCE_BYTES, RunsDirectly
+from ..algorithms import RunsDirectly
 from ..errors import ClosedError
 from ..flight import FlightRecorder
 from ..kernels.reduction import quiet_numpy
 from ..lane import Lane
 from ..protocol.operation import Operation, Settings
+from ..protocol.route import small
 from ..protocol.session import Session
 from ..protocol.wire import Key, describe, payload_bytes
 from ..request import Request
@@ -113,8 +114,8 @@ class Engine(Turns):
     def submit(self, op: Operation) -> None:
         """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
         op.posted_at = time.time()
-        request, small = op.request, payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
-        if small and request.mover is None and self.settings.spin:
+        request = op.request
+        if small(payload_bytes(op.desc)) and request.mover is None and self.settings.spin:
             request.mover = self  # its waiter drives the loop (see the module docstring)
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
             refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye

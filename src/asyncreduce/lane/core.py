@@ -36,7 +36,6 @@ from typing import Any, Literal
 
 from .. import forks
 from ..algorithms import Array, DType
-from ..buffers import Buffer
 from ..envvars import env_number
 from ..errors import ClosedError, UsageError
 from ..flight import FlightRecorder, Record
@@ -46,7 +45,6 @@ from ..protocol.outside import judge
 from ..protocol.session import Session
 from ..request import Request
 from ..samehost.mailbox import (
-    SLOT_BYTES,
     Mailbox,
     SlotHeader,
     supported,
@@ -83,21 +81,12 @@ class Lane:
         self._convert = convert
         self._wake = wake  # wakes the progress thread if it dozes (Engine.nudge)
         self._lock = threading.Lock()
-        self.unnamed = UnnamedOps(mailbox, self._lock, convert, self, wake)
-        self.named = (
-            None if named is None else NamedOps(named, self._lock, convert, self, flight)
-        )
+        self.unnamed = UnnamedOps(mailbox, self._lock, convert, self, wake, flight)
+        self.named = None if named is None else NamedOps(named, self._lock, convert, self, flight)
         self._closed = False
         self.drivers = 0  # threads spinning in ``drive``: the progress thread need not
         self.moved_at = 0.0  # when the lane last published or completed something
         self._generation = forks.generation()  # a forked child must not move it (``_forked``)
-
-    def takes(self, kind: str, buf: Buffer, key: Key) -> bool:
-        """Whether an operation goes through the lane: small allreduces, and barriers (an
-        allreduce of nothing: done once every rank published its slot); named ones where the
-        lane has named slots. The one place that says "small" for the lane."""
-        small = kind == "allreduce" and buf.flat.nbytes <= SLOT_BYTES
-        return (small or kind == "barrier") and (not key[0] or self.named is not None)
 
     @property
     def busy(self) -> bool:
@@ -136,12 +125,12 @@ class Lane:
         return True
 
     def run_waiting(
-        self, seq: int, head: SlotHeader, flat: Array, dtype: DType, op: str,
-        timeout: float | None, adopt: Callable[[], LaneOp],
+        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
+        dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
-        """Unnamed operation ``seq`` on the calling thread, which waits for it, with no
+        """Unnamed operation ``key`` on the calling thread, which waits for it, with no
         request while nothing else is in the lane (``UnnamedOps.run``): None once done."""
-        return self.unnamed.run(seq, head, flat, dtype, op, timeout, adopt)
+        return self.unnamed.run(key, label, desc, head, flat, dtype, op, timeout, adopt)
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""

@@ -30,13 +30,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..algorithms import Array, DType
-from ..flight import FlightRecorder
+from ..flight import FlightRecorder, Record, settle
 from ..keys import Key
 from ..request import Request
 from ..samehost.mailbox import AGREED, DIFFERENT, WAITING, SlotHeader
 from ..samehost.named import Found, KeyWords, NamedSlots, found_for, key_words
 from ..transport.frame import Descriptor
-from .op import log_end
 
 if TYPE_CHECKING:
     from .op import LaneOp, Shell
@@ -62,7 +61,7 @@ class NamedOps:
         peers so); ``mover``: the lane, which moves a request of its own (``Request.mover``)."""
         self.slots = slots
         self._lock, self._convert, self._mover = lock, convert, mover
-        self._flight = flight  # where each one that completes here is recorded (``_ran``)
+        self._flight = flight  # where each one that ends here is recorded (``_settled``)
         self.pending: dict[Key, LaneOp] = {}
         self._running: dict[Key, int] = {}  # run on a waiting thread (``run``): slot, _CLAIMED
         self._elsewhere: dict[Key, None] = {}  # keys a peer runs on the engine, not posted here
@@ -111,7 +110,7 @@ class NamedOps:
             return
         self.slots.withdraw(op.slot)
         if not op.request.done():
-            log_end(self._mover.rank, op.label, error)  # (before: the waiter may log next)
+            self._settled(op.label, op.key, op.desc, op.started, error, op.record)
             op.request.set_exception(error)
 
     def missing(self, op: LaneOp) -> set[int]:
@@ -145,9 +144,8 @@ class NamedOps:
             slot = self._publish(key, words, head, flat)
             if slot < 0:
                 return False
-            if self._settle(words, slot, found, head, flat, dtype, op) == AGREED:
-                self._ran(key, desc, posted)
-                log_end(self._mover.rank, label)
+            if self._fold(words, slot, found, head, flat, dtype, op) == AGREED:
+                self._settled(label, key, desc, posted)
                 return None
             self._running[key] = slot
         now = time.monotonic()
@@ -160,11 +158,10 @@ class NamedOps:
                     else:
                         time.sleep(_NAP)
                 with self._lock:
-                    state = self._settle_running(key, words, slot, found, head, flat, dtype, op)
+                    state = self._fold_running(key, words, slot, found, head, flat, dtype, op)
                     if state == AGREED:
                         del self._running[key]
-                        self._ran(key, desc, posted)
-                        log_end(self._mover.rank, label)
+                        self._settled(label, key, desc, posted)
                         return None
                     now = time.monotonic()
                     if state != WAITING or now >= end:
@@ -175,13 +172,13 @@ class NamedOps:
                     self._adopted(key, adopt, slot, found, WAITING)
             raise
 
-    def _settle_running(
+    def _fold_running(
         self, key: Key, words: KeyWords, slot: int, found: Found, head: SlotHeader,
         flat: Array, dtype: DType, op: str,
     ) -> int:  # fmt: skip
         if self.closed_with is not None or self._running[key] == _CLAIMED:
             return DIFFERENT
-        return self._settle(words, slot, found, head, flat, dtype, op)
+        return self._fold(words, slot, found, head, flat, dtype, op)
 
     def _adopted(
         self, key: Key, adopt: Callable[[], LaneOp], slot: int, found: Found, state: int
@@ -211,20 +208,18 @@ class NamedOps:
 
     def _complete(self, op: LaneOp) -> bool:
         buf = op.buf
-        state = self._settle(op.words, op.slot, op.found, op.header, buf.flat, buf.dtype, op.op)
+        state = self._fold(op.words, op.slot, op.found, op.header, buf.flat, buf.dtype, op.op)
         if state == WAITING:
             return False
         del self.pending[op.key]
         if state == AGREED:
-            if op.record is None:  # (else its request's outcome finishes its record)
-                self._ran(op.key, op.desc, op.started)
-            log_end(self._mover.rank, op.label)  # (before: the waiter may log next)
+            self._settled(op.label, op.key, op.desc, op.started, None, op.record)
             op.request.set_result(op.result())
         else:
             self._hand_over(op)
         return True
 
-    def _settle(
+    def _fold(
         self, words: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
         dtype: DType, op: str,
     ) -> int:  # fmt: skip
@@ -238,11 +233,14 @@ class NamedOps:
             self.slots.withdraw(slot)
         return state
 
-    def _ran(self, key: Key, desc: Descriptor, posted: float) -> None:
-        """Operation ``key`` completed here: in the flight record as a direct run is (one
-        append), so ``culprit`` does not blame this rank for it."""
-        if self._flight is not None:
-            self._flight.ran(key[0], key[1], desc, 0, posted, time.monotonic())
+    def _settled(
+        self, label: str, key: Key, desc: Descriptor, posted: float,
+        error: BaseException | None = None, record: Record | None = None,
+    ) -> None:  # fmt: skip
+        """Operation ``key`` ended here: recorded as any other (``flight.settle``), before its
+        request completes."""
+        settle(self._flight, self._mover.rank, label, key, desc, 0, posted, time.monotonic(),
+               error, record)  # fmt: skip
 
     def _hand_over(self, op: LaneOp) -> None:
         self.converted += 1

@@ -3,7 +3,6 @@ operations (unnamed.py, named.py) ask of the lane that holds them."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -16,15 +15,7 @@ from ..samehost.mailbox import HERE, header
 from ..samehost.named import Found, found_for, key_words
 from ..transport.frame import Descriptor
 
-__all__ = ["LaneOp", "Shell", "log_end"]
-
-log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
-
-
-def log_end(rank: int, label: str, error: BaseException | None = None) -> None:
-    """The per-operation DEBUG line of an operation the lane ended (the engine's, worded alike)."""
-    if log_ops.isEnabledFor(logging.DEBUG):
-        log_ops.debug("rank %d ends %s: %s", rank, label, error or "done")
+__all__ = ["LaneOp", "Shell"]
 
 _NOT_LOOKED: Found = found_for(0)
 

@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..algorithms import Array, DType
 from ..errors import ClosedError
+from ..flight import FlightRecorder, settle
+from ..keys import Key
 from ..request import Request
 from ..samehost.mailbox import AGREED, ON_ENGINE, WAITING, Mailbox, SlotHeader, header
 from ..transport.frame import Descriptor
-from .op import log_end
 
 if TYPE_CHECKING:
     from .op import LaneOp, Shell
@@ -50,13 +51,14 @@ class UnnamedOps:
 
     def __init__(
         self, mailbox: Mailbox, lock: threading.Lock, convert: Callable[[LaneOp], None],
-        lane: Shell, wake: Callable[[], None],
+        lane: Shell, wake: Callable[[], None], flight: FlightRecorder | None = None,
     ) -> None:  # fmt: skip
         """``lock``: the lane's; ``convert``: hand an operation to the engine; ``lane``: the
         lane (its requests' mover, and when it last moved); ``wake``: wake the progress
-        thread."""
+        thread; ``flight``: where each operation that ends here is recorded."""
         self.mailbox = mailbox
         self._lock, self._convert, self._lane, self._wake = lock, convert, lane, wake
+        self._flight = flight
         self._unpublished: dict[int, tuple[SlotHeader, LaneOp | None]] = {}
         self._next = 0  # the next sequence number to publish
         self._pending: dict[int, LaneOp] = {}  # published or not, not yet complete
@@ -71,10 +73,10 @@ class UnnamedOps:
         return bool(self._pending or self._unpublished)
 
     def run(
-        self, seq: int, head: SlotHeader, flat: Array, dtype: DType, op: str,
-        timeout: float | None, adopt: Callable[[], LaneOp],
+        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
+        dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
-        """Run operation ``seq`` (``head``: its header; ``flat``: its buffer, of ``dtype``) on
+        """Run operation ``key`` (``head``: its header; ``flat``: its buffer, of ``dtype``) on
         the calling thread, which waits for it (a blocking allreduce), with no request, if
         nothing else is in the lane: publish, wait for the peers (spinning for up to
         ``WAITER_SPIN``) and fold; None once done.
@@ -85,7 +87,8 @@ class UnnamedOps:
         and failures), the lane closed.
         Whatever it raises (a signal handler's exception lands in the spin most often), the
         operation stays the lane's (``rescue``)."""
-        mailbox = self.mailbox
+        mailbox, seq = self.mailbox, key[1]
+        posted = time.monotonic()
         try:
             with self._lock:
                 closed = self.closed_with is not None
@@ -110,7 +113,8 @@ class UnnamedOps:
                         self._done_with(seq)
                         self.completed += 1
                         self.ran += 1
-                        self._lane.moved_at = time.monotonic()
+                        self._lane.moved_at = now = time.monotonic()
+                        settle(self._flight, self._lane.rank, label, key, desc, 0, posted, now)
                         return None
                     now = time.monotonic()
                     end = end or now + spin
@@ -225,13 +229,14 @@ class UnnamedOps:
         if state == WAITING:
             return False
         self._done_with(seq)  # (no longer pending)
-        self._lane.moved_at = time.monotonic()
+        self._lane.moved_at = now = time.monotonic()
         if state != AGREED:
             self.converted += 1
             self._convert(op)  # a peer runs it elsewhere, or disagrees: the engine decides
             return True
         self.completed += 1
-        log_end(self._lane.rank, op.label)  # (before: the waiter may log next)
+        settle(self._flight, self._lane.rank, op.label, op.key, op.desc, 0, op.started, now,
+               None, op.record)  # fmt: skip
         op.request.set_result(op.result())
         return True
 
@@ -265,7 +270,8 @@ class UnnamedOps:
             self._unpublished[op.seq] = (header(ON_ENGINE, op.desc), None)
         self._done_with(op.seq)
         if not op.request.done():
-            log_end(self._lane.rank, op.label, error)  # (before: the waiter may log next)
+            settle(self._flight, self._lane.rank, op.label, op.key, op.desc, 0, op.started,
+                   time.monotonic(), error, op.record)  # fmt: skip
             op.request.set_exception(error)
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:

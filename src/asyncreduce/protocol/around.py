@@ -8,17 +8,15 @@ the rules for running around the protocol are read in one place.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from ..errors import BrokenError
+from ..flight import settle
 from ..transport.frame import Descriptor
 from .parts import SessionParts
 from .wire import Key
 
 __all__ = ["SideDoor"]
-
-log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
 
 
 class SideDoor(SessionParts):
@@ -63,9 +61,7 @@ class SideDoor(SessionParts):
         ``posted``: it is remembered as done, so a frame that still came for it would be
         judged as for any other operation that ended, and so does the flight recorder."""
         self.matching.remember_done(key, desc)
-        self.flight.ran(key[0], key[1], desc, priority, posted, now)
-        if log_ops.isEnabledFor(logging.DEBUG):
-            log_ops.debug("rank %d ends %s: done", self.rank, label)
+        settle(self.flight, self.rank, label, key, desc, priority, posted, now)
 
     @property
     def goodbye_reason(self) -> str:

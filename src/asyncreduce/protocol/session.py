@@ -26,9 +26,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..algorithms import SMALL_ALLREDUCE_BYTES, Array, PeerMemoryError, ProtocolError, Send
+from ..algorithms import Array, PeerMemoryError, ProtocolError, Send
 from ..errors import BrokenError, MismatchError
-from ..flight import FlightRecorder, Record
+from ..flight import FlightRecorder, Record, settle
 from ..transport.frame import DATA, GOODBYE, HEARTBEAT, Descriptor, Header
 from . import commands as do
 from . import wire
@@ -40,13 +40,13 @@ from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
 from .operation import Operation, Settings, bytes_of
+from .route import small
 from .stall import StallInspector
 from .wire import Control, Key, describe, mismatch_hint, payload_bytes
 
 __all__ = ["Session", "broken_by"]  # broken_by: failure.py, named here for the engines
 
 log = logging.getLogger("asyncreduce.engine")
-log_ops = logging.getLogger("asyncreduce.ops")  # see comm.py: off unless set to DEBUG
 
 
 _WORK_PATIENCE = 0.1  # seconds: an operation with work waiting this long goes first (work)
@@ -90,7 +90,7 @@ class Session(ControlTraffic, SideDoor):
             self._fail(op, same_error(earlier, str(earlier)))
             return
         self.matching.ops[op.key] = op
-        op.small = payload_bytes(op.desc) <= SMALL_ALLREDUCE_BYTES
+        op.small = small(payload_bytes(op.desc))
         self._spin_after(op)
         if op.announce:  # a named one the same-host lane would take: peers there hand it over
             self._control(self.liveness.open_peers(), wire.PostNotice(op.key, op.desc))
@@ -327,10 +327,8 @@ class Session(ControlTraffic, SideDoor):
 
     def _finish(self, op: Operation, value: Any, error: BaseException | None) -> None:
         op.ended = True
-        if op.record is not None:
-            self.flight.finish(op.record, error)
-        if log_ops.isEnabledFor(logging.DEBUG):
-            log_ops.debug("rank %d ends %s: %s", self.rank, op.label, error or "done")
+        settle(self.flight, self.rank, op.label, op.key, op.desc, op.priority, op.started,
+               self._now, error, op.record)  # fmt: skip
         self.commands.append((do.FINISH, op, value, error))
 
     def _ended(self, op: Operation) -> None:

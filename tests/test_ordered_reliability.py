@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -19,7 +20,12 @@ import numpy as np
 import pytest
 
 import asyncreduce as ar
-from asyncreduce.backends.ordered.liveness import Liveness
+from asyncreduce.backends.ordered.failure import Breaker
+from asyncreduce.backends.ordered.posted import Posted
+from asyncreduce.flight import FlightRecorder
+from asyncreduce.protocol import describe
+from asyncreduce.protocol.liveness import Liveness
+from asyncreduce.request import CallbackRunner, Request
 from spmd import mpi_available, run_ranks
 
 needs_mpi = pytest.mark.skipif(not mpi_available(), reason="needs Open MPI")
@@ -81,29 +87,47 @@ def test_a_stopped_peer_during_an_mpi_call_fails_it_in_time_and_close_returns(
     assert closed <= 5.0, closed  # the linger (2 s for calls, 2 s for goodbyes), no more
 
 
-def _looks(liveness: Liveness, times: list[float]) -> list[str | None]:
-    """What the engine's housekeeping asks at each of ``times``: a beat, then silence."""
-    return [liveness.silence(t, ()) if liveness.beat_due(t) else None for t in times]
+def _breaker() -> tuple[Breaker, Liveness[Posted]]:
+    """Rank 0's failure path (of 2 ranks, peer timeout 2 s), with one operation pending."""
+    liveness: Liveness[Posted] = Liveness(0, 2, peer_timeout=2.0, now=0.0)
+    request: Request[None] = Request("'w'", CallbackRunner("asyncreduce-test-callbacks"))
+    flat = np.zeros(4, np.float32)  # (no descriptor, no dtype: nothing here reads them)
+    op = Posted((b"w", 0), "'w'", None, "allreduce", flat, None, "sum", 0,  # type: ignore[arg-type]
+                request, lambda: None)  # fmt: skip
+    flight = FlightRecorder(0, 2, 10, describe)
+    breaker = Breaker(0, flight, None, threading.Lock(), liveness, {op.key: op}, [],
+                      lambda kind, body: None)  # fmt: skip
+    return breaker, liveness
+
+
+def _looks(breaker: Breaker, liveness: Liveness[Posted], times: list[float]) -> list[str | None]:
+    """What the engine's housekeeping does at each of ``times`` (a beat, then the silence
+    check): the error it broke on by then, or None."""
+    seen = []
+    for t in times:
+        if liveness.beat_due(t):
+            breaker.fail_if_silent(t)
+        seen.append(None if breaker.broken is None else str(breaker.broken))
+    return seen
 
 
 def test_silence_is_not_judged_on_heard_times_older_than_this_ranks_own_absence() -> None:
     """After the engine thread itself was away (a long call, no GIL), what peers sent meanwhile
     is read before anyone is called silent; a peer that stays silent is still named."""
     beats = [k / 20 for k in range(1, 21)]  # every 0.05 s (the beat at a 2 s peer timeout)
-    liveness = Liveness(0, peer_timeout=2.0, stall_warning=0.0)
-    liveness.start(2, now=0.0)
-    assert _looks(liveness, beats) == [None] * 20
-    assert _looks(liveness, [10.0]) == [None]  # away from 1 s to 10 s: not rank 1's silence
+    breaker, liveness = _breaker()
+    assert _looks(breaker, liveness, beats) == [None] * 20
+    assert _looks(breaker, liveness, [10.0]) == [None]  # away 1 s to 10 s: not rank 1's silence
     liveness.heard[1] = 10.01  # what rank 1 sent meanwhile, read by the next poll
-    assert _looks(liveness, [10 + t for t in beats] + [11 + t for t in beats]) == [None] * 40
-    assert _looks(liveness, [12.1])[0] is not None  # silent since 10.01 s: named at 12.1 s
-    steady = Liveness(0, peer_timeout=2.0, stall_warning=0.0)  # looking at every beat
-    steady.start(2, now=0.0)
-    assert _looks(steady, beats + [1 + t for t in beats]) == [None] * 40
-    assert "rank 1" in (_looks(steady, [2.1])[0] or "")
-    slow = Liveness(0, peer_timeout=2.0, stall_warning=0.0)  # a thread that looks every 0.5 s
-    slow.start(2, now=0.0)
-    assert any(_looks(slow, [k / 2 for k in range(1, 7)])), "a silent peer must still be named"
+    later = [10 + t for t in beats] + [11 + t for t in beats]
+    assert _looks(breaker, liveness, later) == [None] * 40
+    assert _looks(breaker, liveness, [12.1])[0] is not None  # silent since 10.01 s: named now
+    steady, clock = _breaker()  # looking at every beat
+    assert _looks(steady, clock, beats + [1 + t for t in beats]) == [None] * 40
+    assert "rank 1 sent nothing for 2 s" in (_looks(steady, clock, [2.1])[0] or "")
+    slow, clock = _breaker()  # a thread that looks every 0.5 s
+    named = _looks(slow, clock, [k / 2 for k in range(1, 7)])
+    assert any(named), "a silent peer must still be named"
 
 
 def body_close_in_turn(comm: ar.Communicator) -> float:

@@ -8,11 +8,20 @@ and a peer told with a ``Failed`` message fails that operation with the class it
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BrokenError, ClosedError, ranks_phrase
 
-__all__ = ["broken_by", "closed_under", "same_error", "silent", "silent_for", "timed_out"]
+__all__ = [
+    "broken_by",
+    "closed_under",
+    "same_error",
+    "silent",
+    "silent_for",
+    "timed_out",
+    "unheard",
+]
 
 
 def broken_by(op: Any, cause: BaseException) -> BrokenError:
@@ -44,7 +53,7 @@ def timed_out(op: Any, rank: int, waiting: set[int]) -> TimeoutError:
 def silent(message: str, peer_timeout: float) -> BrokenError:
     """A peer went silent: a ``BrokenError`` with ``message`` (naming it), whose cause is the
     ``TimeoutError`` of the peer timeout. ``TimeoutError`` itself means only that a caller's
-    own wait ran out (``timeout=``). The ordered engines' silence is worded alike."""
+    own wait ran out (``timeout=``). The ordered engine's silence is worded alike."""
     error = BrokenError(message)
     error.__cause__ = TimeoutError(
         f"no frame, not even a heartbeat, within the peer timeout of {peer_timeout:g} s "
@@ -55,8 +64,11 @@ def silent(message: str, peer_timeout: float) -> BrokenError:
 
 def silent_for(op: Any, rank: int, silent_peers: set[int], peer_timeout: float) -> BrokenError:
     """The error of an operation on ``rank`` that waits for peers ``silent_peers`` this long."""
-    return silent(
-        f"{op.label} failed on rank {rank}: {ranks_phrase(silent_peers)} sent nothing "
-        f"for {peer_timeout:g} s, not even a heartbeat (stopped, or cut off?)",
-        peer_timeout,
-    )
+    return silent(f"{op.label} failed on rank {rank}: {unheard(silent_peers, peer_timeout)}",
+                  peer_timeout)  # fmt: skip
+
+
+def unheard(silent_peers: Iterable[int], peer_timeout: float) -> str:
+    """What a silence failure says of peers ``silent_peers``, in both engines."""
+    return (f"{ranks_phrase(silent_peers)} sent nothing for {peer_timeout:g} s, "
+            "not even a heartbeat (stopped, or cut off?)")  # fmt: skip

@@ -24,7 +24,7 @@ class SessionParts:
     commands: list[Command]
     matching: Matching
     flow: Flow
-    liveness: Liveness
+    liveness: Liveness[Operation]
     stall: StallInspector
     broken: BaseException | None
     stopping: bool

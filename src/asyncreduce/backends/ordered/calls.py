@@ -24,8 +24,8 @@ from ...protocol import describe
 from .agreement import Agreed
 from .failure import Breaker
 from .fusion import Call, complete, fuse, pack
-from .liveness import Liveness
 from .posted import Adapter, Posted
+from .stalls import Stalls
 
 __all__ = ["CallRunner"]
 
@@ -38,12 +38,12 @@ class CallRunner:
 
     def __init__(
         self, adapter: Adapter, rank: int, world_size: int, flight: FlightRecorder,
-        liveness: Liveness, posted: dict[Key, Posted], calls: list[Call], breaker: Breaker,
+        stalls: Stalls, posted: dict[Key, Posted], calls: list[Call], breaker: Breaker,
     ) -> None:  # fmt: skip
         """``posted`` and ``calls``: the engine's operations not yet agreed and its engine calls
         in flight (the engine's own tables: agreed ones leave the first, calls join the second)."""
         self.adapter, self.rank, self.world_size = adapter, rank, world_size
-        self.flight, self._liveness = flight, liveness
+        self.flight, self._stalls = flight, stalls
         self._posted, self._calls, self._breaker = posted, calls, breaker
         self.issued = 0  # engine calls issued (fusion makes this smaller than the operations)
 
@@ -53,7 +53,7 @@ class CallRunner:
         ops = []
         for a in agreed:
             op = self._posted.pop(a.key, None)
-            self._liveness.agreed(a.key)
+            self._stalls.agreed(a.key)
             if op is None:  # cannot happen: every agreed key was posted here
                 log.error("rank %d: agreed %r was never posted here", self.rank, a.key)
                 continue

@@ -20,8 +20,9 @@ agreement, a per-call timeout, an engine error, a silent or departed peer, ``abo
 every pending request here with ``BrokenError`` chained to it, and a BREAK message tells the
 other ranks, which fail the same operation with the same class (failure.py). Engine calls
 already issued cannot be taken back (MPI has no cancel for collectives): after a break they
-are abandoned. Heartbeats, deadlines and stalls are timed in liveness.py; the goodbye of
-close() and abort(), and the end of the thread, are in closing.py.
+are abandoned. Heartbeats and deadlines are timed by protocol/liveness.py (as natively),
+stalls by stalls.py; the goodbye of close() and abort(), and the end of the thread, are in
+closing.py.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ from ...errors import BrokenError, ClosedError, ranks_phrase
 from ...flight import FlightRecorder, Record
 from ...keys import Key
 from ...protocol import Settings, broken_by, describe
+from ...protocol.liveness import Liveness
 from .agreement import Agreement, Entry
 from .calls import CallRunner
 from .channel import BEAT, BREAK, GOODBYE, ROUND, Channel
 from .closing import JOIN, fail_left, release, say_goodbye
 from .failure import Breaker
 from .fusion import Call, fusion_bytes_from_env
-from .liveness import Liveness
 from .posted import Adapter, Posted
+from .stalls import Stalls
 
 __all__ = ["OrderedEngine"]
 
@@ -69,8 +71,11 @@ class OrderedEngine:
         self.rank, self.world_size = rank, world_size
         self.fusion_bytes = fusion_bytes_from_env() if fusion_bytes is None else fusion_bytes
         self.flight = FlightRecorder(rank, world_size, self.settings.flight_records, describe)
-        self._liveness = Liveness(rank, self.settings.peer_timeout, self.settings.stall_warning)
-        self.stall_reports = self._liveness.stall_reports
+        self._liveness: Liveness[Posted] = Liveness(
+            rank, world_size, self.settings.peer_timeout, time.monotonic()
+        )  # (started again when the thread is: making the adapter may take long)
+        self._stalls = Stalls(rank, self.settings.stall_warning)
+        self.stall_reports = self._stalls.stall_reports
         self.adapter: Adapter | None = None
         self._queue: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -159,10 +164,10 @@ class OrderedEngine:
             self._started.set()
             return
         self._runner = CallRunner(
-            self.adapter, self.rank, self.world_size, self.flight, self._liveness, self._posted,
+            self.adapter, self.rank, self.world_size, self.flight, self._stalls, self._posted,
             self._calls, self._breaker,
         )  # fmt: skip
-        self._liveness.start(self.world_size, time.monotonic())
+        self._liveness.start(time.monotonic())
         self._started.set()
         try:
             self._loop()
@@ -196,7 +201,7 @@ class OrderedEngine:
             self._housekeeping(now)
             if busy and not moved and now - last_event > self.settings.spin:
                 if self._calls and all(getattr(c.running, "wakes", False) for c in self._calls):
-                    self._nap(self._liveness.until_due(now))  # (its end wakes us; a post too)
+                    self._nap(self._liveness.timeout(now))  # (its end wakes us; a post too)
                 else:
                     self._nap(nap)
                     nap = min(2 * nap, _POLL_MAX)
@@ -240,12 +245,21 @@ class OrderedEngine:
             )
             return
         op.record = self.flight.add(Record(*op.key, op.desc, op.priority, time.time()))
-        self._liveness.watch(op, len(self._posted) + sum(len(c.ops) for c in self._calls))
+        self._watch(op)
         if op.kind == "p2p":  # matched by the engine itself, by source and tag, in order
             self._runner.issue([op])
             return
         self._posted[op.key] = op
         self._send_rounds(self._agreement.post(Entry(*op.key, op.desc, op.priority)))
+
+    def _watch(self, op: Posted) -> None:
+        """Keep ``op``'s deadline, if it has a timeout; those of operations that ended are
+        forgotten once they outnumber the pending ones, as natively."""
+        if op.timeout is None:
+            return
+        self._liveness.add_deadline(op)
+        pending = len(self._posted) + sum(len(c.ops) for c in self._calls) + 1
+        self._liveness.prune(pending, lambda o: not o.request.done())
 
     def _send_rounds(self, out: list[tuple[int, bytes]]) -> None:
         try:
@@ -258,11 +272,11 @@ class OrderedEngine:
         try:
             return self._read_channel()
         except Exception as exc:  # (a lost peer in the native endpoint, an MPI error, ...)
-            why = f"rank {self.rank}: the control channel failed: {exc}"
+            what = f"the control channel failed: {exc}"
             if isinstance(exc.__cause__ or exc, TimeoutError):  # it found a silent peer
-                self._breaker.fail_silent(why)
+                self._breaker.fail_silent(what)
             else:
-                self._breaker.break_communicator(BrokenError(why))
+                self._breaker.break_communicator(BrokenError(f"rank {self.rank}: {what}"))
             return True
 
     def _read_channel(self) -> bool:
@@ -282,12 +296,13 @@ class OrderedEngine:
 
     def _housekeeping(self, now: float) -> None:
         """Deadlines that passed fail their operations; at each beat, a BEAT to every peer,
-        silent peers judged and stalls reported (liveness.py times them, failure.py acts)."""
+        silent peers judged and stalls reported (protocol/liveness.py times them, failure.py
+        acts)."""
         self._breaker.fail_expired(now, self._waiting_for)
         if self._liveness.beat_due(now):
             self._tell_all(BEAT)
             self._breaker.fail_if_silent(now)
-            self._liveness.inspect_stalls(now, self._posted, self._waiting_for)
+            self._stalls.inspect(now, self._posted, self._waiting_for)
 
     def _tell_all(self, kind: int, body: bytes = b"") -> None:
         """``kind`` to every peer still here (GOODBYE: to every peer, since one that said

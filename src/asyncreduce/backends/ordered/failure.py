@@ -10,11 +10,14 @@ every peer, which fails that operation with the same class (``MismatchError``,
 ``TimeoutError``, else ``BrokenError``) and breaks too. Engine calls already issued go on (MPI
 has no cancel for collectives, and the peers are in them): after a break they are abandoned.
 
-The liveness rules that end operations live here too (the clocks are in liveness.py): an
-operation past its deadline fails everywhere with ``TimeoutError``; a silent peer (seen here at
-a beat, or by the control channel, whichever first) fails what waits with a ``BrokenError``
-naming it (the peer timeout's ``TimeoutError`` its cause), as natively, then breaks; a peer's
-GOODBYE breaks only if something offered here is still pending (nobody can agree it now).
+The liveness rules that end operations live here too (the clocks are protocol/liveness.py's,
+shared with the native engine): an operation past its deadline fails everywhere with
+``TimeoutError``; a silent peer (seen here at a beat, or by the control channel, whichever
+first) fails what waits with a ``BrokenError`` naming it (the peer timeout's ``TimeoutError``
+its cause), worded as natively, then breaks; a peer's GOODBYE breaks only if something offered
+here is still pending (nobody can agree it now). At a beat that came after this rank's own
+thread was away (``Liveness.away``), silence waits for the next beat: what the peers sent
+meanwhile may not be read yet.
 
 A failed request does not take its operation back from the peers. Once this rank offered it
 to the agreement, the peers may still agree it, and then they need this rank in the engine
@@ -37,11 +40,11 @@ from ...errors import BrokenError
 from ...flight import FlightRecorder
 from ...keys import Key
 from ...protocol import broken_by
-from ...protocol.failure import silent
+from ...protocol.failure import silent, unheard
+from ...protocol.liveness import Liveness
 from ...protocol.wire import BROKEN_CODE, ERROR_CLASSES, ERROR_CODES
 from .channel import BREAK
 from .fusion import Call
-from .liveness import Liveness
 from .posted import Posted
 
 __all__ = ["Breaker", "break_error", "break_message", "read_break", "run_on_scratch"]
@@ -57,7 +60,7 @@ class Breaker:
 
     def __init__(
         self, rank: int, flight: FlightRecorder, flight_dir: str | None, lock: threading.Lock,
-        liveness: Liveness, posted: dict[Key, Posted], calls: list[Call],
+        liveness: Liveness[Posted], posted: dict[Key, Posted], calls: list[Call],
         tell_all: Callable[[int, bytes], None],
     ) -> None:  # fmt: skip
         """``posted`` and ``calls``: the engine's operations not yet agreed and its engine calls
@@ -66,7 +69,7 @@ class Breaker:
         self._liveness, self._posted, self._calls = liveness, posted, calls
         self._tell_all = tell_all
         self.broken: BaseException | None = None  # the first failure: sticky
-        self.departed: dict[int, str] = {}  # the peers that said goodbye: why, in words
+        self.departed = liveness.departed  # the peers that said goodbye: why, in words
 
     def pending(self) -> list[Posted]:
         """Every operation not yet agreed, or in an engine call."""
@@ -134,28 +137,31 @@ class Breaker:
     def fail_expired(self, now: float, waiting_for: Callable[[Posted], str]) -> None:
         """Fail everywhere each operation whose deadline passed by ``now`` and still pends
         (``waiting_for``: on what, in words)."""
-        while (op := self._liveness.next_expired(now)) is not None:
+        for op in self._liveness.expired(now):
             if not op.request.done():
                 self.fail_everywhere(op, TimeoutError(
                     f"{op.label} did not complete within its timeout of {op.timeout} s on "
                     f"rank {self.rank} ({waiting_for(op)})"))  # fmt: skip
 
     def fail_if_silent(self, now: float) -> None:
-        """At a beat: while something is pending, a peer silent for too long fails it."""
-        if self.broken is not None or not (self._posted or self._calls):
+        """At a beat: while something is pending, a peer silent for too long fails it (not
+        right after this rank's own absence: see the module docstring)."""
+        liveness = self._liveness
+        if self.broken is not None or not (self._posted or self._calls) or liveness.away:
             return
-        why = self._liveness.silence(now, self.departed)
-        if why is not None:
-            self.fail_silent(why)
+        peers = liveness.silent(now)
+        if peers:
+            self.fail_silent(unheard(peers, liveness.peer_timeout))
 
-    def fail_silent(self, why: str) -> None:
-        """A peer is silent (seen here, or by the control channel, whichever first): what
-        waits fails with a BrokenError naming it, the peer timeout's TimeoutError its cause,
-        as natively (protocol/failure.py ``silent``), then the engine breaks."""
+    def fail_silent(self, what: str) -> None:
+        """A peer is silent (seen here, or by the control channel, whichever first; ``what``
+        names it): what waits fails with a BrokenError saying so, the peer timeout's
+        TimeoutError its cause, as natively (protocol/failure.py ``silent_for``), then the
+        engine breaks."""
         wait = self._liveness.peer_timeout
         for op in self.pending():
-            self.fail(op, silent(f"{op.label}: {why}", wait))
-        self.break_communicator(silent(why, wait))
+            self.fail(op, silent(f"{op.label} failed on rank {self.rank}: {what}", wait))
+        self.break_communicator(silent(f"rank {self.rank}: {what}", wait))
 
     def _live(self, key: Key) -> Posted | None:
         """The posted, not yet agreed operation ``key`` whose request is still pending."""

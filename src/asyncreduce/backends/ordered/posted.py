@@ -8,6 +8,7 @@ torchdist.py) turns one, or a fused group of them, into an engine call and hands
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class Posted:
     ready: Any = None  # a CUDA event recorded on the producer's stream at post
     record: Record | None = field(default=None, init=False)
     started: float = field(default_factory=time.monotonic, init=False)
+
+    @property
+    def deadline(self) -> float:
+        """When it fails with TimeoutError (monotonic seconds; never without a ``timeout``)."""
+        return self.started + (math.inf if self.timeout is None else self.timeout)
 
 
 class Running(Protocol):

@@ -42,18 +42,17 @@ from typing import Any
 
 from .. import forks
 from ..algorithms import RunsDirectly
-from ..errors import ClosedError
 from ..flight import FlightRecorder
 from ..kernels.reduction import quiet_numpy
 from ..lane import Lane
 from ..protocol.operation import Operation, Settings
-from ..protocol.route import small
 from ..protocol.session import Session
-from ..protocol.wire import Key, describe, payload_bytes
+from ..protocol.wire import Key, describe
 from ..request import Request
 from ..transport.base import FrameSink, Transport
 from ..transport.frame import Descriptor
 from .direct import DRIVE_SPIN, DirectRun
+from .entry import Entry
 from .lanes import LaneMover
 from .ownership import Ownership
 from .sink import Sink
@@ -64,10 +63,9 @@ __all__ = ["THREAD_PREFIX", "Engine"]
 log = logging.getLogger("asyncreduce.engine")
 
 THREAD_PREFIX = "asyncreduce-engine-"  # + the rank: the progress thread's name
-_TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
 
 
-class Engine(Turns):
+class Engine(Entry, Turns):
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
     def __init__(
@@ -111,51 +109,11 @@ class Engine(Turns):
 
     # ---- any thread --------------------------------------------------------------------------
 
-    def submit(self, op: Operation) -> None:
-        """Hand an operation to the engine; raises ClosedError or BrokenError if it cannot run."""
-        op.posted_at = time.time()
-        request = op.request
-        if small(payload_bytes(op.desc)) and request.mover is None and self.settings.spin:
-            request.mover = self  # its waiter drives the loop (see the module docstring)
-        with self._lock:  # (a submit that checked before close() is taken: see _shut)
-            refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye
-            if refusal is not None:
-                raise refusal
-            self._submitted.append(op)
-            sleeping = self._sleeping  # read after the append, under the lock: see _poll
-        if sleeping:
-            self.transport.wakeup()
-        else:
-            self.wake()  # (read after the append: see Ownership.in_grace)
-
-    def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
-        """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
-        said goodbye), if it must. ``submit`` and the lane ask without ``goodbyes``: the
-        session judges an engine operation on the frames the departed rank sent first, and
-        the lane one on whether the departed rank's slot holds it (``Lane.watch``)."""
-        if self._closing.is_set():
-            return ClosedError(f"{label}: the communicator is closed")
-        session = self.session
-        if session.broken is None and not session.liveness.departed:
-            return None  # the usual case, asked for every post: nothing built
-        return session.refusal(label, goodbyes)
-
     def take_lane(self, lane: Lane) -> None:
         """Move ``lane``'s operations nobody waits on from now on, and hand it the named keys
         a peer runs here on the engine (``Lane.claim``)."""
         self.lane = lane
         self._sink.claim = lane.claim
-
-    def nudge(self) -> None:
-        """The lane has work this thread must look at: wake it if it sleeps for longer than
-        the lane's nap (it read the lane idle). No lost wake-up: ``_poll`` reads the lane and
-        sets ``_dozing`` under the lock this reads it under."""
-        with self._lock:
-            dozing = self._dozing
-        if dozing:
-            self.transport.wakeup()
-        else:
-            self.wake()  # (aside in its grace after a waiter)
 
     def drive(self, request: Request[Any], timeout: float | None) -> None:
         """Run the loop on the waiting thread until ``request`` is done, for as long as
@@ -189,11 +147,6 @@ class Engine(Turns):
         self._apply()
         return op.request
 
-    def post(self, op: Operation) -> Request[Any]:
-        """Submit ``op``; its request (a direct run's, left to the loop)."""
-        self.submit(op)
-        return op.request
-
     def _has_work(self) -> bool:
         """Whether the loop has anything to move but what arrives unasked (heartbeats, a
         peer's early frames), which can wait for this thread's grace (``ownership.ASIDE_GRACE``)."""
@@ -209,52 +162,6 @@ class Engine(Turns):
 
     def _forked(self) -> bool:
         return forks.generation() != self._generation
-
-    def poke(self) -> None:
-        """``Request.test``: as ``wake`` (this thread moves the operation)."""
-        self.wake()
-
-    def wake(self) -> None:
-        """Nobody may wait on the request (a callback, ``test``, ``wait_any``): if this thread
-        stands aside with no driver (in its grace after one), have it look now. A submit, a
-        lane post and a close do the same; while a waiter holds the loop, nothing does: it
-        moves what there is, and its give-back wakes this thread if work is left (a wake-up
-        per operation cost as much as the operation's Python)."""
-        self._loop.wake()
-
-    def _asleep(self) -> bool:
-        """Whether this thread blocks in poll (read under the lock ``_poll`` sets it under:
-        it sleeps only where it saw no driver)."""
-        with self._lock:
-            return self._sleeping
-
-    def close(self) -> None:
-        """Fail what is pending with ClosedError, close every socket, join the thread."""
-        self._shut(None)
-
-    def abort(self, reason: str = "") -> None:
-        """Break the communicator on every rank now and close it, within about 1 s: pending
-        requests fail with BrokenError, peers are told with an ABORT frame."""
-        self._shut(reason or "abort() was called")
-
-    def _shut(self, abort_reason: str | None) -> None:
-        with self._lock:
-            if not self._closing.is_set():
-                self._closing.set()  # (under the lock: a submit that checked before is taken)
-                self._aborting = abort_reason
-                self._submitted.append(None)
-        self.transport.wakeup()
-        turn = self._loop.turn
-        if not turn.acquire(timeout=_TURN_WAIT):  # held by the thread a signal handler
-            return  # interrupted to close: joining would wait for it (the thread sees the
-            # close within its grace and ends)
-        try:
-            turn.notify()  # (aside: it stops waiting)
-        finally:
-            turn.release()
-        if self._thread is not threading.current_thread() and not self._loop.holds():
-            self._thread.join()  # (not from a signal handler on a thread that holds the loop: the
-            # thread waits for it; the interrupted turn stops at the close, and the thread ends)
 
     @property
     def direct(self) -> int:

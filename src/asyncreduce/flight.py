@@ -62,7 +62,7 @@ def settle(
         if record is not None:
             flight.finish(record, error)
         elif error is None:
-            flight.ran(key[0], key[1], desc, priority, posted, ended)
+            flight.ran((key[0], key[1], desc, priority, posted, ended))
     if log_ops.isEnabledFor(logging.DEBUG):
         log_ops.debug("rank %d ends %s: %s", rank, label, error or "done")
 
@@ -77,7 +77,13 @@ class FlightRecorder:
         self._describe = describe
         self.world_size = world_size
         self._records: deque[Record] = deque(maxlen=max(1, capacity))
-        self._ran: deque[_Ran] = deque(maxlen=max(1, capacity))  # see ``ran``
+        self._ran: deque[_Ran] = deque(maxlen=max(1, capacity))
+        # An operation that ran to the end on its caller's thread (a direct run, the lane;
+        # times by ``time.monotonic``): kept as a tuple (name, instance, desc, priority,
+        # posted, ended), one append (atomic, in C) without the lock, and worded as a done
+        # record by ``snapshot``. A record per call would cost a tenth of the call; none
+        # would let ``culprit`` blame a rank for what it ran this way.
+        self.ran: Callable[[_Ran], None] = self._ran.append
         self._lock = threading.Lock()
         self.broken: str | None = None
 
@@ -85,15 +91,6 @@ class FlightRecorder:
         with self._lock:
             self._records.append(record)
         return record
-
-    def ran(
-        self, name: bytes, instance: int, desc: Any, priority: int, posted: float, ended: float
-    ) -> None:
-        """An operation that ran to the end on its caller's thread (``Engine.run_direct``; times by
-        ``time.monotonic``): kept as a tuple, one append (atomic) without the lock, and worded
-        as a done record by ``snapshot``. A record per call would cost a tenth of the call;
-        none would let ``culprit`` blame a rank for what it ran this way."""
-        self._ran.append((name, instance, desc, priority, posted, ended))
 
     @staticmethod
     def finish(record: Record, error: BaseException | None = None) -> None:

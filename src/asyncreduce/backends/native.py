@@ -41,7 +41,7 @@ from ..keys import Key
 from ..lane import Lane, LaneOp
 from ..plans import Plan
 from ..protocol.operation import Operation
-from ..protocol.route import Reach, Way, route, small
+from ..protocol.route import DIRECT, ENGINE, LANE, NAMED, NO_LANE, UNNAMED, route, small
 from ..request import CallbackRunner, Request
 from ..samehost.mailbox import HERE, Mailbox, SlotHeader, header
 from ..samehost.named import NamedSlots
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from .ordered.engine import OrderedEngine
 
 __all__ = ["Described", "DirectCalls", "NativeBackend", "adopter", "built"]
-
-ENGINE, DIRECT, LANE = Way.ENGINE, Way.DIRECT, Way.LANE
 
 Prepared = tuple[DType, Descriptor, SlotHeader]  # Described: type, descriptor, slot header
 _KEPT = 256  # Described: at most this many (a loop posts the same few)
@@ -90,10 +88,18 @@ class NativeBackend(EngineBackend):
         self.members = tuple(range(engine.world_size)) if members is None else members
         self.whole = self.members == tuple(range(engine.world_size))  # not a true subgroup
         self.lane: Lane | None = None  # the world's same-host lane, once opened (lane/)
-        self.reach = Reach.NONE  # what the lane takes (protocol/route.py)
+        self.reach = NO_LANE  # what the lane takes (protocol/route.py)
+        self.small_ways = self._small_ways()
         self.described = Described()
 
-    def way(self, kind: str, nbytes: int, key: Key, waiting: bool) -> Way:
+    def _small_ways(self) -> tuple[int, int]:
+        """The ways of a small allreduce a caller waits for, named and not (``route``'s, kept:
+        the direct calls ask for every call, and only the lane's opening changes them)."""
+        whole = self.whole
+        named = route("allreduce", 0, True, self.reach, True, whole)
+        return named, route("allreduce", 0, False, self.reach, True, whole)
+
+    def way(self, kind: str, nbytes: int, key: Key, waiting: bool) -> int:
         """Where an operation goes (protocol/route.py)."""
         return route(kind, nbytes, bool(key[0]), self.reach, waiting, self.whole)
 
@@ -103,7 +109,7 @@ class NativeBackend(EngineBackend):
     ) -> None:  # fmt: skip
         announce = False
         lane = self.lane
-        if lane is not None and self.way(plan.kind, plan.buf.flat.nbytes, key, False) is LANE:
+        if lane is not None and self.way(plan.kind, plan.buf.flat.nbytes, key, False) == LANE:
             _, desc, _ = self._admitted(plan, label)
             if lane.post(self._lane_op(plan, key, label, timeout, desc), request):
                 return
@@ -152,11 +158,11 @@ class NativeBackend(EngineBackend):
         returned."""
         buf = plan.buf
         way = self.way(plan.kind, buf.flat.nbytes, key, True)
-        if way is ENGINE or way is DIRECT:
+        if way != LANE:
             algo, desc = self._built(plan, key, label)
-            make = _operation(key, label, desc, algo, plan.result, priority, timeout)
-            adopt = adopter(label, runner, make)
-            if way is DIRECT:
+            adopt = adopter(label, runner, _operation, key, label, desc, algo, plan.result,
+                            priority, timeout)  # fmt: skip
+            if way == DIRECT:
                 assert isinstance(algo, (RecursiveDoubling, Barrier))  # (``route``)
                 return self.engine.run_direct(key, label, desc, algo, priority, timeout, adopt)
             op = adopt()
@@ -170,8 +176,8 @@ class NativeBackend(EngineBackend):
         _, desc, head = self._admitted(plan, label)
         posted = time.monotonic() if timeout is not None else 0.0
         reduce_op = plan.op or "sum"
-        make_op = _lane_op(key, label, desc, lambda: buf, reduce_op, plan.result, timeout, posted)
-        adopt_op = adopter(label, runner, make_op)
+        adopt_op = adopter(label, runner, _lane_op, key, label, desc, lambda: buf, reduce_op,
+                           plan.result, timeout, posted)  # fmt: skip
         return self.lane.run_waiting(key, label, desc, head, buf.flat, buf.dtype, reduce_op,
                                      timeout, adopt_op)  # fmt: skip
 
@@ -213,7 +219,8 @@ class NativeBackend(EngineBackend):
         collective that made the mailboxes)."""
         self.lane = Lane(mailbox, self.rank, self.world_size, self.convert, self.engine.nudge,
                          named, self.engine.flight)  # fmt: skip
-        self.reach = Reach.UNNAMED if named is None else Reach.NAMED
+        self.reach = UNNAMED if named is None else NAMED
+        self.small_ways = self._small_ways()
         self.engine.take_lane(self.lane)
 
     def convert(self, op: LaneOp) -> None:
@@ -301,14 +308,12 @@ class DirectCalls:
 
     def __init__(self, backend: NativeBackend) -> None:
         self._backend = backend
+        # ``x``'s element type, the operation's descriptor and lane slot header, if this runs
+        # it: ``prepared(x, op)`` (bound here: it is asked for every call)
+        self.prepared: Callable[[Array, str], Prepared | None] = backend.described.array
         empty = numpy_dtype(np.dtype(np.uint8))
         assert empty is not None
         self._barrier = Descriptor(KINDS["barrier"], empty.code, 0, 0, 0)
-
-    def prepared(self, x: Array, op: str) -> Prepared | None:
-        """``x``'s element type, the operation's descriptor and lane slot header, if this runs
-        it (``Described.array``)."""
-        return self._backend.described.array(x, op)
 
     def allreduce(
         self, x: Array, prepared: Prepared, op: str, key: Key, label: str, priority: int,
@@ -319,13 +324,13 @@ class DirectCalls:
         backend = self._backend
         dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
-        way = backend.way("allreduce", x.nbytes, key, True)
-        if way is LANE:
+        way = backend.small_ways[not key[0]]
+        if way == LANE:
             lane = backend.lane
             assert lane is not None  # (``route``)
             backend.admitted(label, desc)
-            make = _lane_op(key, label, desc, lambda: as_buffer(x, "x"), op, lambda: x, None, 0.0)
-            adopt = adopter(label, runner, make)
+            adopt = adopter(label, runner, _lane_op, key, label, desc, lambda: as_buffer(x, "x"),
+                            op, lambda: x, None, 0.0)  # fmt: skip
             if not key[0]:
                 return lane.run_waiting(key, label, desc, head, flat, dtype, op, None, adopt)
             made = lane.run_named(key, label, desc, head, flat, dtype, op, adopt)
@@ -337,64 +342,60 @@ class DirectCalls:
             return request
         algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
         log_post(backend.rank, label, desc)
-        if way is ENGINE:  # (a group's; DirectCalls is the world's: not today)
+        if way == ENGINE:  # (a group's; DirectCalls is the world's: not today)
             raise AssertionError(f"{label}: DirectCalls routed to the engine")
-        make_op = _operation(key, label, desc, algo, lambda: x, priority, None)
-        return backend.engine.run_direct(key, label, desc, algo, priority, None,
-                                         adopter(label, runner, make_op))  # fmt: skip
+        adopt_run = adopter(label, runner, _operation, key, label, desc, algo, lambda: x,
+                            priority, None)  # fmt: skip
+        return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt_run)
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """A barrier numbered ``key``, the way ``route`` says (the lane's through
         ``NativeBackend.run``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
-        if backend.way("barrier", 0, key, True) is not DIRECT:
+        if backend.way("barrier", 0, key, True) != DIRECT:
             return backend.run(plans.barrier(), key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)
-        make = _operation(key, label, desc, algo, _nothing, 0, None)
-        return backend.engine.run_direct(key, label, desc, algo, 0, None,
-                                         adopter(label, runner, make))  # fmt: skip
+        adopt = adopter(label, runner, _operation, key, label, desc, algo, _nothing, 0, None)
+        return backend.engine.run_direct(key, label, desc, algo, 0, None, adopt)
 
 
 T = TypeVar("T", Operation, LaneOp)
 
 
 def adopter(
-    label: str, runner: CallbackRunner, make: Callable[[Request[Any]], T]
+    label: str, runner: CallbackRunner, make: Callable[..., T], *args: Any
 ) -> Callable[[], T]:
-    """How a blocking call makes its operation, with a request whose callbacks ``runner``
-    runs, where it cannot finish on its caller's thread (``Engine.run_direct``'s and the
-    lane's ``adopt``): only then, since most never need one."""
+    """How a blocking call makes its operation, ``make(request, *args)`` with a request whose
+    callbacks ``runner`` runs, where it cannot finish on its caller's thread
+    (``Engine.run_direct``'s and the lane's ``adopt``): only then, since most never need one.
+    One closure per call: this is made for every blocking call."""
 
     def adopt() -> T:
-        return make(Request(label, runner))
+        return make(Request(label, runner), *args)
 
     return adopt
 
 
 def _operation(
-    key: Key, label: str, desc: Descriptor, algo: Collective | RunsDirectly,
-    result: Callable[[], Any], priority: int, timeout: float | None,
-) -> Callable[[Request[Any]], Operation]:  # fmt: skip
+    request: Request[Any], key: Key, label: str, desc: Descriptor,
+    algo: Collective | RunsDirectly, result: Callable[[], Any], priority: int,
+    timeout: float | None,
+) -> Operation:  # fmt: skip
     """An engine operation of a run given up: the engine goes on with ``algo.algorithm``, from
     wherever the run left it."""
-    return lambda request: Operation(key, label, desc, algo.algorithm, request, result,
-                                     priority, timeout)  # fmt: skip
+    return Operation(key, label, desc, algo.algorithm, request, result, priority, timeout)
 
 
 def _lane_op(
-    key: Key, label: str, desc: Descriptor, buffer: Callable[[], Buffer], op: str,
-    result: Callable[[], Any], timeout: float | None, posted: float,
-) -> Callable[[Request[Any]], LaneOp]:  # fmt: skip
+    request: Request[Any], key: Key, label: str, desc: Descriptor, buffer: Callable[[], Buffer],
+    op: str, result: Callable[[], Any], timeout: float | None, posted: float,
+) -> LaneOp:  # fmt: skip
     """A lane operation of a run the lane's caller could not finish alone."""
-
-    def make(request: Request[Any]) -> LaneOp:
-        made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
-        made.request = request
-        return made
-
-    return make
+    made = LaneOp(key, label, desc, buffer(), op, result, timeout, posted)
+    made.request = request
+    return made
 
 
 def _nothing() -> None:

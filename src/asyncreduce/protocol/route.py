@@ -20,41 +20,39 @@ run that may not start is posted to the engine where it stands. Pure: facts in, 
 
 from __future__ import annotations
 
-import enum
+from typing import Final
 
 from ..algorithms import SMALL_ALLREDUCE_BYTES
 
-__all__ = ["Reach", "Way", "route", "small"]
+__all__ = ["DIRECT", "ENGINE", "LANE", "NAMED", "NO_LANE", "UNNAMED", "route", "small"]
 
+# Where an operation goes (plain ints, not an enum: ``route`` runs for every call, and an
+# enum's members cost a lookup each, a tenth of a lane allreduce in all; see docs/performance.md)
+ENGINE: Final = 0
+DIRECT: Final = 1
+LANE: Final = 2
 
-class Way(enum.IntEnum):
-    """Where an operation goes."""
+# What the world's same-host lane takes (its reach)
+NO_LANE: Final = 0  # no lane: ranks on several hosts, a group, ASYNCREDUCE_LANE=0, before it opens
+UNNAMED: Final = 1  # unnamed operations (no named slots: ASYNCREDUCE_LANE_NAMED=0 on some rank)
+NAMED: Final = 2  # named ones too
 
-    ENGINE = 0
-    DIRECT = 1
-    LANE = 2
-
-
-class Reach(enum.IntEnum):
-    """What the world's same-host lane takes."""
-
-    NONE = 0  # no lane: ranks on several hosts, a group, ASYNCREDUCE_LANE=0, before it opens
-    UNNAMED = 1  # unnamed operations (no named slots: ASYNCREDUCE_LANE_NAMED=0 on some rank)
-    NAMED = 2  # named ones too
+_SMALL = SMALL_ALLREDUCE_BYTES
 
 
 def small(nbytes: int) -> bool:
     """Whether a payload of ``nbytes`` is small: the lane and the direct run take it, and the
     engine busy-polls for it a while (``Session.post``, ``Engine.submit``)."""
-    return nbytes <= SMALL_ALLREDUCE_BYTES
+    return nbytes <= _SMALL
 
 
-def route(kind: str, nbytes: int, named: bool, reach: Reach, waiting: bool, whole: bool) -> Way:
-    """The way of a ``kind`` operation of ``nbytes`` (``named``: matched by name), where the
-    lane takes ``reach``; ``waiting``: its caller waits for it at once; ``whole``: on the
-    world's own numbering, not a group's."""
-    if kind != "barrier" and (kind != "allreduce" or nbytes > SMALL_ALLREDUCE_BYTES):
-        return Way.ENGINE
-    if reach == Reach.NAMED or (reach == Reach.UNNAMED and not named):
-        return Way.LANE
-    return Way.DIRECT if waiting and whole else Way.ENGINE
+def route(kind: str, nbytes: int, named: bool, reach: int, waiting: bool, whole: bool) -> int:
+    """The way (``ENGINE``, ``DIRECT``, ``LANE``) of a ``kind`` operation of ``nbytes``
+    (``named``: matched by name), where the lane takes ``reach`` (``NO_LANE``, ``UNNAMED``,
+    ``NAMED``); ``waiting``: its caller waits for it at once; ``whole``: on the world's own
+    numbering, not a group's."""
+    if kind != "barrier" and (kind != "allreduce" or nbytes > _SMALL):
+        return ENGINE
+    if reach == NAMED or (reach == UNNAMED and not named):
+        return LANE
+    return DIRECT if waiting and whole else ENGINE

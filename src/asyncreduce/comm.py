@@ -96,7 +96,7 @@ class Communicator(Collectives, BlockingCalls):
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
-        here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run)
+        here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run_waiting)
         direct = isinstance(here, NativeBackend) and here.members == tuple(
             range(here.engine.world_size)
         )  # fmt: skip
@@ -130,7 +130,7 @@ class Communicator(Collectives, BlockingCalls):
                 label = _label("allreduce", name, key)
                 made = direct.allreduce(x, prepared, op, key, label, priority, self._runner)
                 return x if made is None else made.wait()
-        return self._run(self._allreduce_plan(x, op, inplace), name, priority, timeout)
+        return self._run_waiting(self._allreduce_plan(x, op, inplace), name, priority, timeout)
 
     def barrier(self, *, name: str | None = None, timeout: float | None = None) -> None:
         """``ibarrier(...).wait()``, on this thread where nothing else needs to move, as
@@ -142,16 +142,18 @@ class Communicator(Collectives, BlockingCalls):
             if made is not None:
                 made.wait()
             return
-        self._run(plans.barrier(), name, 0, timeout)
+        self._run_waiting(plans.barrier(), name, 0, timeout)
 
-    def _run(self, plan: Plan, name: str | None, priority: int, timeout: float | None) -> Any:
+    def _run_waiting(
+        self, plan: Plan, name: str | None, priority: int, timeout: float | None
+    ) -> Any:
         """``_submit(...).wait()`` for a blocking call that may run on this thread
-        (``NativeBackend.run``)."""
+        (``NativeBackend.run_waiting``)."""
         here = self._backend
         if not isinstance(here, NativeBackend):
             return self._submit(plan, name, priority, timeout).wait()
         key, label = self._numbered(plan, name, priority, timeout)
-        made = here.run(plan, key, label, priority, timeout, self._runner)
+        made = here.run_waiting(plan, key, label, priority, timeout, self._runner)
         return plan.result() if made is None else made.wait()
 
     def _allreduce_plan(self, x: Any, op: str, inplace: bool) -> Plan:

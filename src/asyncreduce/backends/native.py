@@ -147,7 +147,7 @@ class NativeBackend(EngineBackend):
         if self.lane is not None and not key[0]:
             self.lane.note(key[1], desc)
 
-    def run(
+    def run_waiting(
         self, plan: Plan, key: Key, label: str, priority: int, timeout: float | None,
         runner: CallbackRunner,
     ) -> Request[Any] | None:  # fmt: skip
@@ -301,7 +301,7 @@ class DirectCalls:
     the caller's thread in the fewest Python steps, the way ``route`` says (the lane's
     ``run_waiting``/``run_named``, or ``Engine.run_direct``): the most frequent calls of all
     (a loss, a metric, a layer's gradients in forward mode), where each step of the general
-    path (a ``Buffer``, a ``Plan``, ``NativeBackend.run``) costs as much as a look at the
+    path (a ``Buffer``, a ``Plan``, ``NativeBackend.run_waiting``) costs as much as a look at the
     wire. The same operations as the general path's, key, descriptor and algorithm alike; an
     allreduce this does not take (``prepared`` says None) the general path runs, with its
     checks and errors."""
@@ -350,10 +350,10 @@ class DirectCalls:
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """A barrier numbered ``key``, the way ``route`` says (the lane's through
-        ``NativeBackend.run``): None, done; else its request."""
+        ``NativeBackend.run_waiting``): None, done; else its request."""
         backend, desc = self._backend, self._barrier
         if backend.way("barrier", 0, key, True) != DIRECT:
-            return backend.run(plans.barrier(), key, label, 0, None, runner)
+            return backend.run_waiting(plans.barrier(), key, label, 0, None, runner)
         backend.note_slot(key, desc)  # (as _built does)
         algo = Barrier(backend.rank, backend.world_size)
         log_post(backend.rank, label, desc)

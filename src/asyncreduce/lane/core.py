@@ -129,8 +129,8 @@ class Lane:
         dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
         """Unnamed operation ``key`` on the calling thread, which waits for it, with no
-        request while nothing else is in the lane (``UnnamedOps.run``): None once done."""
-        return self.unnamed.run(key, label, desc, head, flat, dtype, op, timeout, adopt)
+        request while nothing else is in the lane (``UnnamedOps.run_waiting``): None once done."""
+        return self.unnamed.run_waiting(key, label, desc, head, flat, dtype, op, timeout, adopt)
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
@@ -151,12 +151,12 @@ class Lane:
         self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
         dtype: DType, op: str, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
-        """``run_waiting`` for a named operation (``NamedOps.run``); False: the lane cannot
+        """``run_waiting`` for a named operation (``NamedOps.run_waiting``); False: the lane cannot
         take it now, for the engine to run."""
         named = self.named
         if named is None:
             return False
-        made = named.run(key, label, desc, head, flat, dtype, op, WAITER_SPIN, adopt)
+        made = named.run_waiting(key, label, desc, head, flat, dtype, op, WAITER_SPIN, adopt)
         if made is None:
             self.moved_at = time.monotonic()
         elif made is not False and not made.done():
@@ -298,8 +298,8 @@ class Lane:
         return judged
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
-        """Fail what is pending with ``error(op)`` (and what ``run`` moves); later posts raise
-        ClosedError."""
+        """Fail what is pending with ``error(op)`` (and what ``run_waiting`` moves); later
+        posts raise ClosedError."""
         with self._lock:
             if self._closed:
                 return

@@ -63,7 +63,7 @@ class NamedOps:
         self._lock, self._convert, self._mover = lock, convert, mover
         self._flight = flight  # where each one that ends here is recorded (``_settled``)
         self.pending: dict[Key, LaneOp] = {}
-        self._running: dict[Key, int] = {}  # run on a waiting thread (``run``): slot, _CLAIMED
+        self._running: dict[Key, int] = {}  # on a waiting thread (``run_waiting``): slot, _CLAIMED
         self._elsewhere: dict[Key, None] = {}  # keys a peer runs on the engine, not posted here
         self.completed = 0
         self.converted = 0
@@ -126,7 +126,7 @@ class NamedOps:
 
     # ---- a waiting thread ----------------------------------------------------------------------
 
-    def run(
+    def run_waiting(
         self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
         dtype: DType, op: str, spin: float, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None | Literal[False]:  # fmt: skip
@@ -223,9 +223,9 @@ class NamedOps:
         self, words: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
         dtype: DType, op: str,
     ) -> int:  # fmt: skip
-        """``NamedSlots.settle``; then this rank's slot drains (AGREED) or is taken back
+        """``NamedSlots.fold``; then this rank's slot drains (AGREED) or is taken back
         (DIFFERENT)."""
-        state = self.slots.settle(words, slot, found, head, out, dtype, op)
+        state = self.slots.fold(words, slot, found, head, out, dtype, op)
         if state == AGREED:
             self.slots.done(slot)
             self.completed += 1

@@ -17,7 +17,7 @@ matching completes it or fails it on every rank with its MismatchError.
 - posting never blocks: a contribution whose slot is not free yet (a peer is ``SLOTS``
   operations behind) waits in ``_unpublished`` and goes out in order as slots free up.
 
-Every method but ``run``, ``note`` and ``rescue`` runs under the lane's lock (core.py).
+Every method but ``run_waiting``, ``note`` and ``rescue`` runs under the lane's lock (core.py).
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ class UnnamedOps:
         self._through = 0
         self.completed = 0  # operations this lane completed itself (diagnostics, tests)
         self.converted = 0  # and those it handed to the engine
-        self.ran = 0  # of the completed, those ``run`` did on the caller's thread
+        self.ran = 0  # of the completed, those ``run_waiting`` did on the caller's thread
 
     @property
     def busy(self) -> bool:
         return bool(self._pending or self._unpublished)
 
-    def run(
+    def run_waiting(
         self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
         dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
@@ -153,9 +153,9 @@ class UnnamedOps:
                 raise
 
     def rescue(self, seq: int, made: Callable[[], LaneOp]) -> None:
-        """``post`` or ``run`` of ``seq`` raised, wherever in it (an exception a signal
+        """``post`` or ``run_waiting`` of ``seq`` raised, wherever in it (an exception a signal
         handler raises, e.g. Ctrl-C caught by a loop, ``sys.exit`` from a preemption handler,
-        an alarm, lands mostly in ``run``'s spin): unless the lane is closed, done with
+        an alarm, lands mostly in ``run_waiting``'s spin): unless the lane is closed, done with
         ``seq`` or has it pending already, the operation (``made()``) becomes an ordinary
         pending one, published now or in its turn, which the progress thread completes or
         fails as any other, on every rank alike. Lost, it would hold ``through`` back for
@@ -279,7 +279,7 @@ class UnnamedOps:
             op.request.set_exception(error)
 
     def close(self, error: Callable[[LaneOp], BaseException]) -> None:
-        """Fail what is pending with ``error(op)`` (and what ``run`` moves)."""
+        """Fail what is pending with ``error(op)`` (and what ``run_waiting`` moves)."""
         self.closed_with = error
         for op in self.ordered():
             self.fail(op, error(op))

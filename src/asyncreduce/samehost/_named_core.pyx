@@ -179,9 +179,9 @@ cdef class NamedCore:
                 found[3 * r], found[3 * r + 1] = there, generation
         return complete
 
-    def settle(self, int64_t k0, int64_t k1, int64_t instance, int slot, object found,
+    def fold(self, int64_t k0, int64_t k1, int64_t instance, int slot, object found,
                object header, object out):
-        """``NamedSlots.settle`` (``found``: its array, updated in place): 0 waiting, 1
+        """``NamedSlots.fold`` (``found``: its array, updated in place): 0 waiting, 1
         agreed (``out`` folded, the peers' slots acknowledged), 2 different, or 3 agreed
         with the fold left to numpy (a type or reduction C does not fold; nothing done)."""
         cdef Py_buffer found_view, head_view, out_view

@@ -196,7 +196,7 @@ class NamedSlots:
 
     # ---- the peers' -------------------------------------------------------------------------
 
-    def settle(
+    def fold(
         self, key: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
         dtype: DType, op: str,
     ) -> int:  # fmt: skip
@@ -290,11 +290,11 @@ class NativeNamedSlots(NamedSlots):
     def _take_back(self, slot: int, generation: int) -> None:
         self._core.withdraw(slot, generation)
 
-    def settle(
+    def fold(
         self, key: KeyWords, slot: int, found: Found, head: SlotHeader, out: Array,
         dtype: DType, op: str,
     ) -> int:  # fmt: skip
-        state = self._core.settle(*key, slot, found, head, out)
+        state = self._core.fold(*key, slot, found, head, out)
         if state == _AGREED_UNFOLDED:  # a type or reduction C does not fold: numpy's
             return AGREED if self._fold_checked(slot, found, out, dtype, op) else WAITING
         return state  # type: ignore[no-any-return]

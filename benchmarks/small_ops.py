@@ -135,8 +135,8 @@ def protocol_us(nbytes: int, world: int = 2) -> float:
         plan = Plan("allreduce", buf, lambda: None, "max", 0)
         algo = build("allreduce", r, world, buf.flat, buf.dtype, "max", 0)
         request: Request[Any] = Request(f"allreduce #{i}", runner)
-        return Operation((b"", i), "allreduce", plan.descriptor(0, buf.dtype.code), algo,
-                         request, plan.result)  # fmt: skip
+        return Operation((b"", i), "allreduce", plan.descriptor(0, buf.dtype.code), request,
+                         plan.result, None, algo)  # fmt: skip
 
     def deliver(src: int, command: tuple[Any, ...]) -> None:
         _, dst, head, payload, _, token, _ = command

@@ -160,8 +160,8 @@ def test_an_ordered_operation_has_its_deadline_only_with_a_timeout() -> None:
     def posted(timeout: float | None) -> Posted:
         request: Request[None] = Request("x", CallbackRunner("asyncreduce-test-callbacks"))
         flat = np.zeros(1, np.float32)
-        return Posted((b"x", 0), "'x'", None, "allreduce", flat, None, "sum", 0,  # type: ignore[arg-type]
-                      request, lambda: None, timeout=timeout)  # fmt: skip
+        return Posted((b"x", 0), "'x'", None, request, lambda: None, timeout,  # type: ignore[arg-type]
+                      "allreduce", flat, None, "sum", 0)  # fmt: skip
 
     forever, soon = posted(None), posted(2.0)
     assert forever.deadline == math.inf

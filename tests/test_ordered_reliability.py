@@ -92,8 +92,8 @@ def _breaker() -> tuple[Breaker, Liveness[Posted]]:
     liveness: Liveness[Posted] = Liveness(0, 2, peer_timeout=2.0, now=0.0)
     request: Request[None] = Request("'w'", CallbackRunner("asyncreduce-test-callbacks"))
     flat = np.zeros(4, np.float32)  # (no descriptor, no dtype: nothing here reads them)
-    op = Posted((b"w", 0), "'w'", None, "allreduce", flat, None, "sum", 0,  # type: ignore[arg-type]
-                request, lambda: None)  # fmt: skip
+    op = Posted((b"w", 0), "'w'", None, request, lambda: None, None,  # type: ignore[arg-type]
+                "allreduce", flat, None, "sum", 0)  # fmt: skip
     flight = FlightRecorder(0, 2, 10, describe)
     breaker = Breaker(0, flight, None, threading.Lock(), liveness, {op.key: op}, [],
                       lambda kind, body: None)  # fmt: skip

@@ -110,7 +110,7 @@ class Wire:
         request: Request[Any] = Request(f"{kind} {name!r}#0", self.runner)
         self.ranks[rank].requests[name] = request
         key = (name.encode(), 0)
-        return Operation(key, request.label, desc, algo, request, lambda: buffer, 0, timeout)
+        return Operation(key, request.label, desc, request, lambda: buffer, timeout, algo)
 
     def post(
         self, rank: int, kind: str, name: str, buffer: np.ndarray, op: str = "sum", root: int = 0,

@@ -123,7 +123,7 @@ class NativeBackend(EngineBackend):
         """Post ``plan`` on the engine (``announce``: tell every peer, whose lane may hold
         the key: lane/named.py)."""
         algo, desc = self._built(plan, key, label)
-        op = Operation(key, label, desc, algo, request, plan.result, priority, timeout)
+        op = Operation(key, label, desc, request, plan.result, timeout, algo, priority)
         op.announce = announce
         self.engine.submit(op)
 
@@ -228,7 +228,7 @@ class NativeBackend(EngineBackend):
         about it): the engine's matching completes it or fails it on every rank."""
         kind = "barrier" if op.desc.kind == KINDS["barrier"] else "allreduce"  # (Lane.takes)
         algo = build(kind, self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
-        made = Operation(op.key, op.label, op.desc, algo, op.request, op.result, 0, op.timeout)
+        made = Operation(op.key, op.label, op.desc, op.request, op.result, op.timeout, algo)
         made.announce = bool(op.key[0])  # peers whose lane holds it must hand it over too
         try:
             self.engine.submit(made)
@@ -385,7 +385,7 @@ def _operation(
 ) -> Operation:  # fmt: skip
     """An engine operation of a run given up: the engine goes on with ``algo.algorithm``, from
     wherever the run left it."""
-    return Operation(key, label, desc, algo.algorithm, request, result, priority, timeout)
+    return Operation(key, label, desc, request, result, timeout, algo.algorithm, priority)
 
 
 def _lane_op(

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 from ..buffers import Buffer
 from ..flight import Record
 from ..keys import Key
-from ..request import Mover, Request
+from ..protocol.posting import Posting
+from ..request import Mover
 from ..samehost.mailbox import HERE, header
 from ..samehost.named import Found, found_for, key_words
 from ..transport.frame import Descriptor
@@ -27,14 +28,14 @@ class Shell(Mover, Protocol):
     rank: int
 
 
-class LaneOp:
-    """One small allreduce (or barrier) in the lane, unnamed or named (``header``: what its
-    slot says, as the mailbox's words; ``deadline``: monotonic, 0 for none)."""
+class LaneOp(Posting):
+    """One small allreduce (or barrier) in the lane, unnamed or named: its core (``Posting``;
+    its ``request`` set by ``Lane.post``, or where ``Lane.run_waiting`` needs one), and its slot
+    (``header``: what the slot says, as the mailbox's words; ``deadline``: monotonic, 0 for
+    none)."""
 
-    __slots__ = ("key", "seq", "label", "desc", "header", "buf", "op", "result", "request",
-                 "timeout", "deadline", "started", "record", "words", "slot", "found")  # fmt: skip
-
-    request: Request[Any]  # set by ``Lane.post``, or where ``Lane.run_waiting`` needs one
+    __slots__ = ("seq", "header", "buf", "op", "deadline", "started", "record", "words", "slot",
+                 "found")  # fmt: skip
 
     def __init__(
         self, key: Key, label: str, desc: Descriptor, buf: Buffer, op: str,

@@ -10,34 +10,25 @@ is done and ``unsent`` is 0, so the caller may reuse its buffer at once.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..algorithms import Array, Collective
 from ..envvars import env_number
 from ..flight import Record
-from ..request import Request
-from ..transport.frame import Descriptor
-from .wire import Key
+from .posting import Posting
 
 __all__ = ["Operation", "Settings", "Spares", "bytes_of"]
 
 
 @dataclass(eq=False)
-class Operation:
-    """One posted operation, as the engine drives it."""
+class Operation(Posting):
+    """One posted operation, as the engine drives it: its core (``Posting``), its algorithm
+    and how far it is."""
 
-    key: Key
-    label: str
-    desc: Descriptor
     algo: Collective
-    request: Request[Any]
-    result: Callable[[], Any]
     priority: int = 0
-    timeout: float | None = None
     unsent: int = 0
     deadline: float = field(default=0.0, init=False)
     age: int = field(default=0, init=False)  # start order here: older operations' frames first

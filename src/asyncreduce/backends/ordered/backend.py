@@ -64,8 +64,8 @@ class OrderedBackend(EngineBackend):
         code = buf.dtype.code + (ON_DEVICE if not isinstance(buf.flat, np.ndarray) else 0)
         desc = plan.descriptor(plan.root, code)
         log_post(self.rank, label, desc)
-        self.engine.submit(Posted(key, label, desc, plan.kind, buf.flat, buf.dtype, plan.op,
-                                  plan.root, request, plan.result, priority, timeout, plan.sends,
+        self.engine.submit(Posted(key, label, desc, request, plan.result, timeout, plan.kind,
+                                  buf.flat, buf.dtype, plan.op, plan.root, priority, plan.sends,
                                   plan.recvs, plan.tag))  # fmt: skip
 
     def group(self, members: tuple[int, ...]) -> OrderedBackend:

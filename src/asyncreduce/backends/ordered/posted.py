@@ -10,36 +10,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...algorithms import DType
 from ...flight import Record
-from ...keys import Key
-from ...request import Request
-from ...transport.frame import Descriptor
+from ...protocol.posting import Posting
 from .channel import Endpoint
 
 __all__ = ["Adapter", "Posted", "Running"]
 
 
 @dataclass(eq=False)
-class Posted:
-    """One operation as the caller posted it: what the engine call needs, and the request."""
+class Posted(Posting):
+    """One operation as the caller posted it: its core (``Posting``) and what the engine call
+    needs."""
 
-    key: Key
-    label: str
-    desc: Descriptor
     kind: str
     flat: Any  # the caller's memory: a flat numpy array, or a torch tensor on a device
     dtype: DType
     op: str | None
     root: int
-    request: Request[Any]
-    result: Callable[[], Any]
     priority: int = 0
-    timeout: float | None = None
     sends: dict[int, Any] | None = None  # exchanges and point-to-point: {peer: flat array}
     recvs: dict[int, Any] | None = None
     tag: int | None = None  # point-to-point only

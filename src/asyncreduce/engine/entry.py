@@ -7,45 +7,29 @@ it under (turns.py, ``_poll``), so either the thread sees the operation before i
 submit sees it asleep and writes the wake-up byte; a close appends its None under the same lock,
 so a submit that checked before the close is taken and failed by it, never lost.
 
-A mixin of ``Engine`` (core.py), which holds the state named below.
+A mixin of ``Engine`` (core.py), which holds the state declared in parts.py.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ClosedError
-from ..protocol.operation import Operation, Settings
+from ..protocol.operation import Operation
 from ..protocol.route import small
-from ..protocol.session import Session
 from ..protocol.wire import payload_bytes
 from ..request import Request
-from ..transport.base import Transport
-from .ownership import Ownership
+from .parts import EngineParts
 
 __all__ = ["Entry"]
 
 _TURN_WAIT = 0.1  # a close waits this long for the lock this thread stands aside under
 
 
-class Entry:
+class Entry(EngineParts):
     """Posts, refusals, wake-ups and the start of a close (see the module docstring)."""
-
-    # the Engine's state, which it sets (core.py)
-    settings: Settings
-    session: Session
-    transport: Transport
-    _lock: threading.Lock
-    _submitted: deque[Operation | None]
-    _aborting: str | None
-    _closing: threading.Event
-    _sleeping: bool
-    _dozing: bool
-    _loop: Ownership
-    _thread: threading.Thread
 
     if TYPE_CHECKING:  # a waiter drives the loop (core.py): the Engine is its requests' mover
 

@@ -4,34 +4,27 @@ thread's own loop and its closing handshake (``_run``), a waiting thread's turns
 to it (``turn_here``), and what every turn does: take what was submitted, move bytes (block, or
 busy-poll around small operations), a unit of work, a tick, the lane.
 
-A mixin of ``Engine`` (core.py), which holds the state named below; kept apart so that the
-front door (any thread: submit, drive, close) and the loop each read in one place.
+A mixin of ``Engine`` (core.py), which holds the state declared in parts.py; kept apart so
+that the front door (entry.py) and the loop each read in one place.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
 from ..errors import BrokenError
 from ..kernels.reduction import quiet_numpy
-from ..lane import Lane
-from ..protocol.operation import Operation, Settings
-from ..protocol.session import Session
 from ..request import Request
 from ..spin import SpinWindow
-from ..transport.base import Transport
 from ..transport.frame import MAX_ERROR_BYTES
 from .lanes import LANE_NAP, LaneMover
-from .ownership import Ownership
-from .sink import Sink
+from .parts import EngineParts
 
 __all__ = ["Turns"]
 
@@ -41,28 +34,8 @@ _LINGER = 2.0  # seconds close() waits for peers to acknowledge its goodbye
 _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 
 
-class Turns:
+class Turns(EngineParts):
     """The loop's turns (see the module docstring)."""
-
-    # the Engine's state, which it sets (core.py)
-    rank: int
-    settings: Settings
-    session: Session
-    transport: Transport
-    lane: Lane | None
-    crash: BaseException | None
-    driven: int
-    looked: float
-    _lock: threading.Lock
-    _submitted: deque[Operation | None]
-    _aborting: str | None
-    _closing: threading.Event
-    _sleeping: bool
-    _dozing: bool
-    _loop: Ownership
-    _sink: Sink
-    _apply: Callable[..., None]
-    _lanes: LaneMover
 
     # ---- a waiting thread, holding the loop ----------------------------------------------
 

@@ -521,6 +521,10 @@ def test_an_outsider_who_writes_torchs_store_makes_init_fail_with_authentication
         assert time.monotonic() < deadline, "rank 0 never published its address"
         time.sleep(0.01)
     outsider.set(NAMESPACE + "addr/0", b"127.0.0.1:1")  # rank 1 would dial the outsider's pick
+    # rank 0 looks at "abort" once it waited 1 s for rank 1's address: rank 1 must not publish
+    # it sooner (a quick start did, 1 run in 10 on an idle machine: rank 0 went on and timed
+    # out waiting for rank 1 to connect)
+    time.sleep(1.5)
     results = _results(out, [first, _start(1, port, out)], 60)
     for rank, (outcome, message) in sorted(results.items()):
         assert OUTSIDER not in message, (rank, outcome, message)

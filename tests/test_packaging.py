@@ -18,8 +18,9 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 #: The C helpers' sources, each next to its Python user, and the headers they include
 C_SOURCES = ("samehost/_mailbox_core.pyx", "samehost/_named_core.pyx", "samehost/_spin.h",
-             "transport/_stream_core.pyx", "kernels/_fold.h", "samehost/_mailbox_core.pyi",
-             "samehost/_named_core.pyi", "transport/_stream_core.pyi")  # fmt: skip
+             "samehost/_spin_fold.pxd", "transport/_stream_core.pyx", "kernels/_fold.h",
+             "samehost/_mailbox_core.pyi", "samehost/_named_core.pyi",
+             "transport/_stream_core.pyi")  # fmt: skip
 
 
 def test_each_c_helper_is_built_from_its_place_with_headers_found_from_there() -> None:
@@ -40,7 +41,13 @@ def test_each_c_helper_is_built_from_its_place_with_headers_found_from_there() -
         (source,) = sources
         assert source in build, f"scripts/gpu_check.sh does not build {source}"
         pyx = ROOT / source
-        for header in re.findall(r'cdef extern from "([^"<>]+\.h)"', pyx.read_text()):
+        text = pyx.read_text()
+        for name in re.findall(r"from \.(\w+) cimport", text):  # a sibling's declarations
+            pxd = pyx.parent / f"{name}.pxd"
+            assert pxd.is_file(), f"{source} cimports {name}: no {pxd}"
+            assert pxd.relative_to(package).as_posix() in C_SOURCES, pxd
+            text += pxd.read_text()  # (its headers are included from the .pyx's folder)
+        for header in re.findall(r'cdef extern from "([^"<>]+\.h)"', text):
             found = (pyx.parent / header).resolve()
             assert found.is_file(), f"{source} includes {header}: not at {found}"
             assert found.relative_to(package).as_posix() in C_SOURCES, found

@@ -31,16 +31,14 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
 
-cdef extern from "_spin.h":
-    void ar_store_release(int64_t *p, int64_t v) nogil
-    int64_t ar_load_acquire(const int64_t *p) nogil
-    double ar_now() nogil
-    void ar_pause(double now, double naps_from) nogil
-    double AR_SPIN_BEFORE_NAPS
-
-
-cdef extern from "../kernels/_fold.h":
-    int ar_fold(int dtype, int op, void *out, uint8_t **parts, int world, Py_ssize_t nbytes) nogil
+from ._spin_fold cimport (
+    AR_SPIN_BEFORE_NAPS,
+    ar_fold,
+    ar_load_acquire,
+    ar_now,
+    ar_pause,
+    ar_store_release,
+)
 
 
 cdef enum:

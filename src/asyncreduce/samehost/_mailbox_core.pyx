@@ -30,15 +30,8 @@ from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
-
-from ._spin_fold cimport (
-    AR_SPIN_BEFORE_NAPS,
-    ar_fold,
-    ar_load_acquire,
-    ar_now,
-    ar_pause,
-    ar_store_release,
-)
+from ._spin_fold cimport (AR_SPIN_BEFORE_NAPS, ar_fold, ar_load_acquire, ar_now, ar_pause,
+                          ar_store_release)
 
 
 cdef enum:

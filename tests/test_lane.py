@@ -106,8 +106,8 @@ def run_here(lane: Lane, op: LaneOp) -> tuple[Request[Any] | None, Adopted]:
     """``Lane.run_waiting`` as the backend calls it for a blocking allreduce."""
     adopt = Adopted(op)
     buf = op.buf
-    return lane.run_waiting(op.key, op.label, op.desc, op.header, buf.flat, buf.dtype, op.op,
-                            op.timeout, adopt), adopt  # fmt: skip
+    return lane.run_waiting(op.key, op.desc, op.header, buf.flat, buf.dtype, op.op, op.timeout,
+                            adopt), adopt  # fmt: skip
 
 
 def expected(parts: list[np.ndarray[Any, Any]], op: str) -> np.ndarray[Any, Any]:
@@ -444,8 +444,8 @@ def test_an_exception_in_run_after_it_published_leaves_the_operation_to_the_lane
 
         setattr(mailbox, where, once)
     with pytest.raises(KeyboardInterrupt):
-        lane.run_waiting(mine.key, mine.label, mine.desc, mine.header, mine.buf.flat,
-                         mine.buf.dtype, "sum", None, adopt)  # fmt: skip
+        lane.run_waiting(mine.key, mine.desc, mine.header, mine.buf.flat, mine.buf.dtype, "sum",
+                         None, adopt)  # fmt: skip
     assert not mine.request.done()
     theirs = [lane_op(0, np.full(2, 2.0, np.float32))]
     post(world.lanes[1], theirs[0])
@@ -982,3 +982,22 @@ def test_every_way_an_operation_goes_settles_it_in_the_flight_record() -> None:
         assert "posted" in names and "large" in names, got
         assert got["states"] == ["done"], got
         assert got["ran"] >= 5, got
+
+
+def body_watched_then_converted(comm: ar.Communicator) -> list[tuple[int, str]]:
+    """Rank 0's unnamed 1 KiB allreduce waits in the lane long enough for the progress thread
+    to watch it (a flight record); rank 1's, 1 MiB, runs on the engine, so rank 0's lane hands
+    its own over: the engine takes over its record, and the operation ends recorded once."""
+    if comm.rank == 1:
+        time.sleep(0.5)
+    x = np.ones(1 << 18 if comm.rank == 1 else 256, np.float32)
+    with pytest.raises(ar.MismatchError):
+        comm.allreduce(x, timeout=20)
+    records = comm.flight_record()["records"]
+    return [(r["instance"], r["state"]) for r in records if r["name"] == ""]
+
+
+def test_a_watched_lane_operation_the_engine_takes_over_is_recorded_once() -> None:
+    results = run_ranks(2, body_watched_then_converted)
+    assert results[0] == [(0, "failed")], results  # (was two: the lane's and the engine's)
+    assert results[1] == [(0, "failed")], results

@@ -97,10 +97,8 @@ class Communicator(Collectives, BlockingCalls):
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
         here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run_waiting)
-        direct = isinstance(here, NativeBackend) and here.members == tuple(
-            range(here.engine.world_size)
-        )  # fmt: skip
-        self._direct = DirectCalls(here) if direct else None  # type: ignore[arg-type]
+        whole = isinstance(here, NativeBackend) and here.whole
+        self._direct = DirectCalls(here) if whole else None  # type: ignore[arg-type]
         _OPEN.add(self)
 
     # ---- collectives ---------------------------------------------------------------------

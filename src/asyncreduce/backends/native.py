@@ -37,11 +37,12 @@ from ..algorithms import (
 from ..buffers import Buffer, as_buffer, numpy_dtype
 from ..engine import Engine
 from ..errors import BrokenError, ClosedError
+from ..flight import settle
 from ..keys import Key
 from ..lane import Lane, LaneOp
 from ..plans import Plan
 from ..protocol.operation import Operation
-from ..protocol.route import DIRECT, ENGINE, LANE, NAMED, NO_LANE, UNNAMED, route, small
+from ..protocol.route import DIRECT, LANE, NAMED, NO_LANE, UNNAMED, route, small
 from ..request import CallbackRunner, Request
 from ..samehost.mailbox import HERE, Mailbox, SlotHeader, header
 from ..samehost.named import NamedSlots
@@ -178,8 +179,8 @@ class NativeBackend(EngineBackend):
         reduce_op = plan.op or "sum"
         adopt_op = adopter(label, runner, _lane_op, key, label, desc, lambda: buf, reduce_op,
                            plan.result, timeout, posted)  # fmt: skip
-        return self.lane.run_waiting(key, label, desc, head, buf.flat, buf.dtype, reduce_op,
-                                     timeout, adopt_op)  # fmt: skip
+        return self.lane.run_waiting(key, desc, head, buf.flat, buf.dtype, reduce_op, timeout,
+                                     adopt_op)  # fmt: skip
 
     def _small_allreduce(self, plan: Plan) -> tuple[Collective, Descriptor] | None:
         """What ``built`` makes of a small allreduce (recursive doubling: no shared memory
@@ -226,13 +227,16 @@ class NativeBackend(EngineBackend):
     def convert(self, op: LaneOp) -> None:
         """Run a lane operation on the engine after all (a peer runs it there, or disagrees
         about it): the engine's matching completes it or fails it on every rank."""
-        kind = "barrier" if op.desc.kind == KINDS["barrier"] else "allreduce"  # (Lane.takes)
+        kind = "barrier" if op.desc.kind == KINDS["barrier"] else "allreduce"  # (``route``)
         algo = build(kind, self.rank, self.world_size, op.buf.flat, op.buf.dtype, op.op)
         made = Operation(op.key, op.label, op.desc, op.request, op.result, op.timeout, algo)
         made.announce = bool(op.key[0])  # peers whose lane holds it must hand it over too
+        made.record = op.record  # (its flight record, if the lane watched it: one per operation)
         try:
             self.engine.submit(made)
         except (BrokenError, ClosedError) as exc:
+            settle(self.engine.flight, self.rank, op.label, op.key, op.desc, 0, op.started,
+                   time.monotonic(), exc, op.record)  # fmt: skip
             op.request.set_exception(exc)
 
     def group(self, members: tuple[int, ...]) -> NativeBackend:
@@ -325,28 +329,27 @@ class DirectCalls:
         dtype, desc, head = prepared
         flat = x if x.ndim == 1 else x.reshape(-1)
         way = backend.small_ways[not key[0]]
-        if way == LANE:
-            lane = backend.lane
-            assert lane is not None  # (``route``)
-            backend.admitted(label, desc)
-            adopt = adopter(label, runner, _lane_op, key, label, desc, lambda: as_buffer(x, "x"),
-                            op, lambda: x, None, 0.0)  # fmt: skip
-            if not key[0]:
-                return lane.run_waiting(key, label, desc, head, flat, dtype, op, None, adopt)
-            made = lane.run_named(key, label, desc, head, flat, dtype, op, adopt)
-            if made is not False:
-                return made
-            request: Request[Any] = Request(label, runner)  # the lane cannot take it: the engine
-            plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)
-            backend.on_engine(plan, key, label, priority, None, request, announce=True)
-            return request
-        algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
-        log_post(backend.rank, label, desc)
-        if way == ENGINE:  # (a group's; DirectCalls is the world's: not today)
-            raise AssertionError(f"{label}: DirectCalls routed to the engine")
-        adopt_run = adopter(label, runner, _operation, key, label, desc, algo, lambda: x,
-                            priority, None)  # fmt: skip
-        return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt_run)
+        if way != LANE:
+            assert way == DIRECT  # (``route``: DirectCalls is the world's)
+            algo = DirectAllreduce(backend.rank, backend.world_size, flat, dtype, op)
+            log_post(backend.rank, label, desc)
+            adopt_run = adopter(label, runner, _operation, key, label, desc, algo, lambda: x,
+                                priority, None)  # fmt: skip
+            return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt_run)
+        lane = backend.lane
+        assert lane is not None  # (``route``)
+        backend.admitted(label, desc)
+        adopt = adopter(label, runner, _lane_op, key, label, desc, lambda: as_buffer(x, "x"), op,
+                        lambda: x, None, 0.0)  # fmt: skip
+        if not key[0]:
+            return lane.run_waiting(key, desc, head, flat, dtype, op, None, adopt)
+        made = lane.run_named(key, label, desc, head, flat, dtype, op, adopt)
+        if made is not False:
+            return made
+        request: Request[Any] = Request(label, runner)  # the lane cannot take it: the engine
+        plan = Plan("allreduce", as_buffer(x, "x"), lambda: x, op)
+        backend.on_engine(plan, key, label, priority, None, request, announce=True)
+        return request
 
     def barrier(self, key: Key, label: str, runner: CallbackRunner) -> Request[Any] | None:
         """A barrier numbered ``key``, the way ``route`` says (the lane's through

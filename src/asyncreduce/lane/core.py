@@ -125,12 +125,12 @@ class Lane:
         return True
 
     def run_waiting(
-        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
-        dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
+        self, key: Key, desc: Descriptor, head: SlotHeader, flat: Array, dtype: DType, op: str,
+        timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
         """Unnamed operation ``key`` on the calling thread, which waits for it, with no
         request while nothing else is in the lane (``UnnamedOps.run_waiting``): None once done."""
-        return self.unnamed.run_waiting(key, label, desc, head, flat, dtype, op, timeout, adopt)
+        return self.unnamed.run_waiting(key, desc, head, flat, dtype, op, timeout, adopt)
 
     def note(self, seq: int, desc: Descriptor) -> None:
         """Unnamed operation ``seq`` runs on the engine: say so in its slot."""
@@ -279,12 +279,12 @@ class Lane:
         op: LaneOp, session: Session, now: float, missing: Callable[[LaneOp], set[int]]
     ) -> None:
         """A pending operation the progress thread watches goes into the flight record (its
-        outcome with it), and past ``ASYNCREDUCE_STALL_WARNING`` into a stall warning naming
+        ending settles it there, or the engine's, which takes the record over: ``convert``),
+        and past ``ASYNCREDUCE_STALL_WARNING`` into a stall warning naming
         the ranks whose slots lack it, as the engine's stall inspector would."""
         if op.record is None:
             posted = time.time() - (now - op.started)
-            op.record = record = session.flight.add(Record(*op.key, op.desc, 0, posted))
-            op.request.add_done_callback(lambda r: FlightRecorder.finish(record, r.exception()))
+            op.record = session.flight.add(Record(*op.key, op.desc, 0, posted))
         if session.stall.due(op.key, op.started, now):
             session.stall.seen_missing(op.key, op.label, op.started, now, missing(op))
 

@@ -73,8 +73,8 @@ class UnnamedOps:
         return bool(self._pending or self._unpublished)
 
     def run_waiting(
-        self, key: Key, label: str, desc: Descriptor, head: SlotHeader, flat: Array,
-        dtype: DType, op: str, timeout: float | None, adopt: Callable[[], LaneOp],
+        self, key: Key, desc: Descriptor, head: SlotHeader, flat: Array, dtype: DType, op: str,
+        timeout: float | None, adopt: Callable[[], LaneOp],
     ) -> Request[Any] | None:  # fmt: skip
         """Run operation ``key`` (``head``: its header; ``flat``: its buffer, of ``dtype``) on
         the calling thread, which waits for it (a blocking allreduce), with no request, if

@@ -98,7 +98,8 @@ class Session(ControlTraffic, SideDoor):
             self._control(self.flow.told, wire.PostNotice(op.key, op.desc))
         op.age = next(self._order)
         op.started = now
-        op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
+        if op.record is None:  # (else a lane's operation the engine takes over: its record)
+            op.record = self.flight.add(Record(*op.key, op.desc, op.priority, op.posted_at))
         if op.timeout is not None:
             op.deadline = now + op.timeout
             self.liveness.add_deadline(op)

@@ -5,7 +5,7 @@ and in which order; ``channel.py`` carries its messages; ``engine.py`` is the on
 owns the engine, with its engine calls (``calls.py``, fused: ``fusion.py``), its stall
 warnings (``stalls.py``), its failure path (``failure.py``) and its goodbye (``closing.py``) in
 modules of their own (its clocks are the native engine's: ``protocol/liveness.py``);
-``mpi.py`` and ``torchdist.py`` turn agreed operations into engine calls; ``connect.py`` builds
-a communicator over them (``ar.init(backend=...)``). docs/engines.md explains the protocol and
-measures it.
+``mpi.py`` and ``torchdist.py`` turn agreed operations into engine calls; bootstrap/ordered.py
+builds a communicator over them (``ar.init(backend=...)``). docs/engines.md explains the
+protocol and measures it.
 """

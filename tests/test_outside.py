@@ -1,17 +1,25 @@
 """The failure rules of an operation outside the engine (protocol/outside.py), sans-IO: every
 combination of a broken communicator, a departed peer, a deadline and a silent peer, in one
 process, against the rules as the module states them (the lane's processes test the same rules
-end to end in test_lane.py)."""
+end to end in test_lane.py); and the Session applying them to an executor's operations, its
+stall questions and answers included, on the fake wire (tests/wire.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+import asyncreduce as ar
+from asyncreduce.algorithms import DTYPES, KINDS, REDUCTION_CODES
 from asyncreduce.errors import BrokenError, MismatchError
-from asyncreduce.protocol.outside import Verdict, judge
+from asyncreduce.flight import Record
+from asyncreduce.protocol import Settings
+from asyncreduce.protocol.outside import Decide, Verdict, judge
+from asyncreduce.transport.frame import Descriptor
+from wire import Wire
 
 
 @dataclass
@@ -99,3 +107,90 @@ def test_the_rules_apply_in_their_order(
     got = None if verdict is None else (type(verdict.error), verdict.everywhere)
     assert got == expected
     assert missing.asked <= 1
+
+
+# ---- the Session watches an outside executor (Session.watch_outside), on the fake wire ------
+
+
+@dataclass(eq=False)
+class _Held:
+    """A pending operation of a fake outside executor (what the lane's LaneOp carries)."""
+
+    key: tuple[bytes, int]
+    label: str
+    desc: Descriptor
+    timeout: float | None = None
+    started: float = 0.0
+    deadline: float = 0.0
+    record: Record | None = None
+
+
+class _Executor:
+    """An outside executor as the Session sees it (protocol/outside.py's ``Outside``): its
+    pending operations, each missing ``missing``, and the errors they ended with."""
+
+    def __init__(self, held: list[_Held], missing: set[int]) -> None:
+        self.pending = {op.key: op for op in held}
+        self.missing = missing
+        self.ended: dict[tuple[bytes, int], BaseException] = {}
+
+    def holds(self, key: tuple[bytes, int]) -> bool:
+        return key in self.pending
+
+    def judge_each(self, decide: Decide) -> None:
+        for op in list(self.pending.values()):
+            error = decide(op, lambda: set(self.missing))
+            if error is not None:
+                self.ended[op.key] = error
+                del self.pending[op.key]
+
+
+_DESC = Descriptor(KINDS["allreduce"], DTYPES["float32"].code, REDUCTION_CODES["sum"], 0, 4)
+
+
+def _held(label: str = "allreduce 'x'#0", **fields: float) -> _Held:
+    return _Held((b"x", 0), label, _DESC, **fields)  # type: ignore[arg-type]
+
+
+@given(n=st.integers(3, 9), seed=st.integers(0, 2**16), data=st.data())
+def test_a_stalled_outside_operation_is_asked_about_and_peers_answer_for_their_own(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    """Rank 0's executor holds 'x' past the stall warning: rank 0 asks every peer; a peer whose
+    executor holds it answers "pending", one that never had it "never posted"."""
+    holding = set(data.draw(st.lists(st.integers(1, n - 1), unique=True)))
+    wire = Wire(n, seed, Settings(stall_warning=10.0, peer_timeout=1e6, spin=0.0))
+    for rank in range(n):
+        if rank == 0 or rank in holding:
+            wire.ranks[rank].session.outside = _Executor([_held()], set())
+    wire.ranks[0].now = 11.0
+    session = wire.ranks[0].session
+    session.watch_outside(11.0, 1000.0)
+    wire.apply(0)
+    wire.run()
+    reports = list(session.stall.reports)
+    assert len(reports) == 1, reports
+    absent = sorted(set(range(1, n)) - holding)
+    if absent:
+        assert f"never posted by {ar.errors.ranks_phrase(absent)}" in reports[0], reports[0]
+    if holding:
+        assert f"pending on {ar.errors.ranks_phrase(sorted(holding))}" in reports[0], reports[0]
+    record = session.outside.pending[(b"x", 0)].record  # type: ignore[union-attr]
+    assert record is not None and record.posted_at == 989.0  # the wall clock when it started
+
+
+def test_an_outside_operation_past_its_deadline_fails_here_and_breaks_every_peer() -> None:
+    wire = Wire(3, 5, Settings(peer_timeout=1e6, spin=0.0))
+    executor = _Executor([_held(timeout=2.0, deadline=2.0)], {2})
+    wire.ranks[0].session.outside = executor
+    wire.ranks[0].session.watch_outside(1.0, 100.0)
+    assert not executor.ended  # not yet
+    wire.ranks[0].session.watch_outside(2.5, 101.5)
+    wire.apply(0)
+    wire.run()
+    error = executor.ended[(b"x", 0)]
+    assert isinstance(error, TimeoutError) and "rank 2" in str(error), error
+    for state in wire.ranks[1:]:  # told through the session, as for any failure
+        assert isinstance(state.session.broken, TimeoutError), state.session.broken
+    later = wire.post(1, "allreduce", "y", np.ones(4, np.float32))
+    assert isinstance(later.exception(), BrokenError)

@@ -111,7 +111,9 @@ class Engine(Entry, Turns):
 
     def take_lane(self, lane: Lane) -> None:
         """Move ``lane``'s operations nobody waits on from now on, and hand it the named keys
-        a peer runs here on the engine (``Lane.claim``)."""
+        a peer runs here on the engine (``Lane.claim``); the session watches its operations
+        (``Session.watch_outside``) and answers for them."""
+        self.session.outside = lane
         self.lane = lane
         self._sink.claim = lane.claim
 

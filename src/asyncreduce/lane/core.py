@@ -9,11 +9,13 @@ Every semantic of the engine stays, because the engine keeps all of them:
   "small" for the lane), so ranks that agree take the same one; where ranks disagree, or one
   runs the operation on the engine, every rank hands it to the engine as it is (``convert``),
   whose matching completes it or fails it on every rank with its MismatchError;
-- deadlines, broken peers and silent peers are watched by the progress thread (``watch``,
-  by protocol/outside.py's rules), which fails an operation through the session, so peers
-  hear of it as of any other failure, and a later post fails at once; an operation that still
-  needs a rank that said goodbye (its slot lacks it) fails on every rank by itself, alike, as
-  each reads the same final slot;
+- the Session watches the lane's pending operations as it watches its own (the lane is its
+  ``outside``: ``Session.watch_outside``, by protocol/outside.py's rules, asked now and then by
+  the progress thread): each goes into the flight record, is asked about once stalled (a
+  peer's lane answers for what it holds: ``holds``), and a deadline, a broken or a silent peer
+  fails it through the session, so peers hear of it as of any other failure, and a later post
+  fails at once; an operation that still needs a rank that said goodbye (its slot lacks it)
+  fails on every rank by itself, alike, as each reads the same final slot;
 - a request nobody waits on still completes: ``test()`` looks once (as MPI_Test progresses),
   a done-callback, ``exception()`` or ``wait_any`` wake the progress thread, and that thread
   never sleeps more than 10 ms while a lane exists (a post itself wakes nobody: that cost a
@@ -21,8 +23,8 @@ Every semantic of the engine stays, because the engine keeps all of them:
 
 The lane is not used for groups, for the ordered engines, or where ``ASYNCREDUCE_LANE=0`` or
 ``ASYNCREDUCE_SPIN_US=0`` on any rank (its point is spinning), or off x86-64 (mailbox.py);
-named operations take it unless ``ASYNCREDUCE_LANE_NAMED=0`` on any rank. Its operations
-have no flight record and are not asked about as stalls.
+named operations take it unless ``ASYNCREDUCE_LANE_NAMED=0`` on any rank. A blocking unnamed
+allreduce done within its caller's spin is recorded as it ends (unnamed.py).
 """
 
 from __future__ import annotations
@@ -38,11 +40,10 @@ from .. import forks
 from ..algorithms import Array, DType
 from ..envvars import env_number
 from ..errors import ClosedError, UsageError
-from ..flight import FlightRecorder, Record
+from ..flight import FlightRecorder
 from ..keys import Key
 from ..protocol.operation import Settings
-from ..protocol.outside import judge
-from ..protocol.session import Session
+from ..protocol.outside import Decide
 from ..request import Request
 from ..samehost.mailbox import (
     Mailbox,
@@ -67,7 +68,7 @@ def lane_wanted(settings: Settings) -> bool:
 
 class Lane:
     """Rank ``rank``'s side of the lane (see the module docstring). ``convert`` hands an
-    operation to the engine; every method but ``watch`` may be called from any thread."""
+    operation to the engine; every method but ``judge_each`` may be called from any thread."""
 
     def __init__(
         self, mailbox: Mailbox, rank: int, world_size: int,
@@ -255,38 +256,24 @@ class Lane:
         with self._lock:
             self._advance()
 
-    def watch(self, session: Session, now: float, silent: set[int]) -> None:
-        """Fail what must fail (protocol/outside.py's rules), through ``session`` where the
-        peers must hear of it (its commands are the caller's to apply)."""
+    def holds(self, key: Key) -> bool:
+        """Whether operation ``key`` is pending in the lane (any thread may ask: one look in
+        a dict)."""
+        if key[0]:
+            return self.named is not None and key in self.named.pending
+        return self.unnamed.holds(key[1])
+
+    def judge_each(self, decide: Decide) -> None:
+        """Under the lock, hand each pending operation to ``decide`` (the Session's rules,
+        ``Session.watch_outside``), with how to ask which peers it still misses, and fail each
+        one it returns an error for."""
         with self._lock:
             if not self.busy:
                 return
-            departed, failed = session.liveness.departed, session.matching.failed
-            wait = session.settings.peer_timeout
             for op, missing in self._judged():
-                self._recorded(op, session, now, missing)
-                verdict = judge(op, self.rank, now, broken=session.broken,
-                                earlier=failed.get(op.key), departed=departed,
-                                missing=functools.partial(missing, op),
-                                silent=silent, peer_timeout=wait)  # fmt: skip
-                if verdict is not None:
-                    self._fail(op, verdict.error)
-                    if verdict.everywhere:
-                        session.fail_all(verdict.error, (op.key, op.desc))
-
-    @staticmethod
-    def _recorded(
-        op: LaneOp, session: Session, now: float, missing: Callable[[LaneOp], set[int]]
-    ) -> None:
-        """A pending operation the progress thread watches goes into the flight record (its
-        ending settles it there, or the engine's, which takes the record over: ``convert``),
-        and past ``ASYNCREDUCE_STALL_WARNING`` into a stall warning naming
-        the ranks whose slots lack it, as the engine's stall inspector would."""
-        if op.record is None:
-            posted = time.time() - (now - op.started)
-            op.record = session.flight.add(Record(*op.key, op.desc, 0, posted))
-        if session.stall.due(op.key, op.started, now):
-            session.stall.seen_missing(op.key, op.label, op.started, now, missing(op))
+                error = decide(op, functools.partial(missing, op))
+                if error is not None:
+                    self._fail(op, error)
 
     def _judged(self) -> list[tuple[LaneOp, Callable[[LaneOp], set[int]]]]:
         """Every pending operation, with how to ask which peers it still misses."""

@@ -72,6 +72,10 @@ class UnnamedOps:
     def busy(self) -> bool:
         return bool(self._pending or self._unpublished)
 
+    def holds(self, seq: int) -> bool:
+        """Whether operation ``seq`` is pending here (any thread: one look in a dict)."""
+        return seq in self._pending
+
     def run_waiting(
         self, key: Key, desc: Descriptor, head: SlotHeader, flat: Array, dtype: DType, op: str,
         timeout: float | None, adopt: Callable[[], LaneOp],

@@ -1,6 +1,9 @@
 """The Session's side door: what it says to an operation that runs around it, on the caller's
 thread (``Engine.run_direct``: its frames straight through the sockets), and how such an
-operation is recorded once it ran. The same-host lane asks ``refusal`` too.
+operation is recorded once it ran; and how it watches the operations of an executor outside
+the engine (the same-host lane: ``outside``), by protocol/outside.py's rules, as it watches its
+own: recorded, asked about once stalled, failed where a rule says so. The lane asks
+``refusal`` too.
 
 A mixin of ``Session`` (session.py), which holds the state named below; kept apart so that
 the rules for running around the protocol are read in one place.
@@ -8,19 +11,28 @@ the rules for running around the protocol are read in one place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import BrokenError
-from ..flight import settle
+from ..flight import Record, settle
 from ..transport.frame import Descriptor
+from .outside import Watched, judge
 from .parts import SessionParts
-from .wire import Key
+from .wire import PENDING, Key
 
 __all__ = ["SideDoor"]
 
 
 class SideDoor(SessionParts):
     """The queries and records of operations that run around the Session (see above)."""
+
+    if TYPE_CHECKING:  # the Session's (session.py) and its control traffic's (controls.py)
+
+        def fail_all(
+            self, error: BaseException, about: tuple[Key, Descriptor] | None = None
+        ) -> None: ...
+        def _ask_about(self, op: Watched, now: float) -> None: ...
 
     def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
@@ -62,6 +74,43 @@ class SideDoor(SessionParts):
         judged as for any other operation that ended, and so does the flight recorder."""
         self.matching.remember_done(key, desc)
         settle(self.flight, self.rank, label, key, desc, priority, posted, now)
+
+    def watch_outside(self, now: float, wall: float) -> None:
+        """Watch the outside executor's pending operations (``outside``, if any) at ``now``
+        (monotonic; ``wall``: the same moment by the wall clock, for their flight records):
+        each goes into the flight record, is asked about once stalled as an operation of the
+        session is (``stall.py``), and ends by outside.py's rules, failing the communicator
+        where the peers must hear of it."""
+        outside = self.outside
+        if outside is None:
+            return
+        self._now = now
+        silent = self.liveness.silent(now)
+
+        def decide(op: Watched, missing: Callable[[], set[int]]) -> BaseException | None:
+            if op.record is None:
+                op.record = self.flight.add(Record(*op.key, op.desc, 0, wall - (now - op.started)))
+            if self.stall.due(op.key, op.started, now):
+                self._ask_about(op, now)
+            verdict = judge(op, self.rank, now, broken=self.broken,
+                            earlier=self.matching.failed.get(op.key),
+                            departed=self.liveness.departed, missing=missing, silent=silent,
+                            peer_timeout=self.settings.peer_timeout)  # fmt: skip
+            if verdict is None:
+                return None
+            if verdict.everywhere:
+                self.fail_all(verdict.error, (op.key, op.desc))
+            return verdict.error
+
+        outside.judge_each(decide)
+
+    def answer(self, key: Key) -> int:
+        """What this rank knows of operation ``key``, for a peer's stall question (wire.py's
+        answers): pending in the engine or outside it, done, failed, or never posted."""
+        outside = self.outside
+        if outside is not None and outside.holds(key):
+            return PENDING
+        return self.matching.answer(key)
 
     @property
     def goodbye_reason(self) -> str:

@@ -20,6 +20,7 @@ from .commands import CONTROL_PRIORITY
 from .failure import silent_for, timed_out
 from .flow import KeptFrame
 from .operation import Operation
+from .outside import Watched
 from .parts import SessionParts
 from .wire import Control, Key, describe
 
@@ -39,6 +40,7 @@ class ControlTraffic(SessionParts):
         def _fail(self, op: Operation, error: BaseException) -> None: ...
         def _fail_everywhere(self, op: Operation, error: BaseException) -> None: ...
         def _maybe_complete(self, op: Operation) -> None: ...
+        def answer(self, key: Key) -> int: ...
 
     def tick(self, now: float) -> None:
         """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a
@@ -72,7 +74,7 @@ class ControlTraffic(SessionParts):
             self._send_kept(peer, self.flow.resumed(peer, self.matching.live))
         elif isinstance(message, wire.Ask):
             self._claim(message.key, remember=True)
-            answer = self.matching.answer(message.key)
+            answer = self.answer(message.key)
             self._control((peer,), wire.Answer(message.key, message.desc, answer))
         elif isinstance(message, wire.Answer):
             self.stall.answered(message.key, peer, message.answer, self._now)
@@ -145,8 +147,12 @@ class ControlTraffic(SessionParts):
         self.stall.overdue(now)
         for op in list(self.matching.ops.values()):
             if self.stall.due(op.key, op.started, now):
-                self.stall.asked(op.key, op.label, op.started, now)
-                self._control(self.liveness.open_peers(), wire.Ask(op.key, op.desc))
+                self._ask_about(op, now)
+
+    def _ask_about(self, op: Watched, now: float) -> None:
+        """Ask every peer what it knows of ``op``, stalled here (stall.py)."""
+        self.stall.asked(op.key, op.label, op.started, now)
+        self._control(self.liveness.open_peers(), wire.Ask(op.key, op.desc))
 
     def _unposted(self, peer: int, header: Header, payload: memoryview) -> None:
         """A DATA frame for an operation not posted here: late (it completed here), dropped

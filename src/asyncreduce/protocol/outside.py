@@ -14,21 +14,57 @@ In the order they are asked:
 4. it waits for a peer that sent nothing for the peer timeout: a BrokenError naming that peer
    (the peer timeout's TimeoutError its cause), on every rank.
 
-"Everywhere" means the caller fails it through the Session (``fail_all``), so peers hear of it
-as of any other failure. Nothing here reads a clock or memory: ``now`` comes in, and
-``missing`` (which ranks have not published the operation) is asked at most once, only when a
-rule needs it.
+"Everywhere" means the Session fails it through ``fail_all``, so peers hear of it as of any
+other failure. Nothing here reads a clock or memory: ``now`` comes in, and ``missing`` (which
+ranks have not published the operation) is asked at most once, only when a rule needs it.
+
+``Outside`` is such an executor as the Session sees it (``Session.watch_outside``, around.py):
+what it holds, and each pending operation handed to a decision under the executor's lock, so
+an operation cannot complete between its verdict and its end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import BrokenError
+from ..flight import Record
+from ..keys import Key
+from ..transport.frame import Descriptor
 from .failure import broken_by, same_error, silent_for, timed_out
 
-__all__ = ["Verdict", "judge"]
+__all__ = ["Decide", "Outside", "Verdict", "Watched", "judge"]
+
+
+class Watched(Protocol):
+    """An operation outside the engine, as the Session watches it: its core, when it started
+    and must end (monotonic; ``deadline`` 0 for none) and its flight record, once it has one."""
+
+    key: Key
+    label: str
+    desc: Descriptor
+    timeout: float | None
+    started: float
+    deadline: float
+    record: Record | None
+
+
+Decide = Callable[[Watched, Callable[[], set[int]]], "BaseException | None"]
+
+
+class Outside(Protocol):
+    """An executor of operations outside the engine (the same-host lane), as the Session
+    watches it (see the module docstring)."""
+
+    def holds(self, key: Key) -> bool:
+        """Whether operation ``key`` is pending here (any thread may ask)."""
+        ...
+
+    def judge_each(self, decide: Decide) -> None:
+        """Under the executor's lock, hand each pending operation to ``decide``, with how to ask
+        which peers it still misses, and end with its error each one it returns an error for."""
+        ...
 
 
 class Verdict(NamedTuple):

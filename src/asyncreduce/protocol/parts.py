@@ -10,6 +10,7 @@ from .flow import Flow
 from .liveness import Liveness
 from .matching import Matching
 from .operation import Operation, Settings
+from .outside import Outside
 from .stall import StallInspector
 
 __all__ = ["SessionParts"]
@@ -26,6 +27,7 @@ class SessionParts:
     flow: Flow
     liveness: Liveness[Operation]
     stall: StallInspector
+    outside: Outside | None  # the executor outside the engine it watches (around.py)
     broken: BaseException | None
     stopping: bool
     working: set[Operation]

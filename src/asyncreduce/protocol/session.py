@@ -40,6 +40,7 @@ from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
 from .operation import Operation, Settings, bytes_of
+from .outside import Outside
 from .route import small
 from .stall import StallInspector
 from .wire import Control, Key, describe, mismatch_hint, payload_bytes
@@ -67,6 +68,7 @@ class Session(ControlTraffic, SideDoor):
         self.flow = Flow(settings.held_bytes)
         self.liveness = Liveness(rank, world_size, settings.peer_timeout, now)
         self.stall = StallInspector(rank, world_size, settings.stall_warning)
+        self.outside: Outside | None = None  # the same-host lane, once open (around.py)
         self.broken: BaseException | None = None
         self.stopping = False  # saying goodbye: only GOODBYE frames matter now
         self.working: set[Operation] = set()  # operations with work of their own to do

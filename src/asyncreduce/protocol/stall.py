@@ -65,18 +65,6 @@ class StallInspector:
             if len(question.answers) == self.world_size - 1:
                 self._report(key, now)
 
-    def seen_missing(
-        self, key: tuple[bytes, int], label: str, started: float, now: float, missing: set[int]
-    ) -> None:
-        """An operation outside the engine (the same-host lane's) stalled: its shared memory
-        says which ranks never posted it (``missing``), so no question is asked; warned of as
-        an answered question is."""
-        self.asked(key, label, started, now)
-        self._asked[key].answers = {p: NOT_POSTED for p in missing} | {
-            p: PENDING for p in range(self.world_size) if p != self.rank and p not in missing
-        }
-        self._report(key, now)
-
     def forget(self, key: tuple[bytes, int]) -> None:
         """The operation ended here: no warning for it any more."""
         self._asked.pop(key, None)

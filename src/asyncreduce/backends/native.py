@@ -207,7 +207,7 @@ class NativeBackend(EngineBackend):
     def admitted(self, label: str, desc: Descriptor) -> None:
         """A lane operation refused (raised) if the engine refuses posts (closed, broken),
         else logged. Not for a goodbye: the lane fails an operation only if the rank that
-        left has not published it (``Lane.watch``), as every rank judges it, whenever it
+        left has not published it (``Session.watch_outside``), as every rank judges it, whenever it
         posted it and read the goodbye."""
         refused = self.engine.refusal(label, goodbyes=False)
         if refused is not None:

@@ -56,7 +56,7 @@ class Entry(EngineParts):
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
         said goodbye), if it must. ``submit`` and the lane ask without ``goodbyes``: the
         session judges an engine operation on the frames the departed rank sent first, and
-        the lane one on whether the departed rank's slot holds it (``Lane.watch``)."""
+        the lane one on whether the departed rank's slot holds it (``Session.watch_outside``)."""
         if self._closing.is_set():
             return ClosedError(f"{label}: the communicator is closed")
         session = self.session

@@ -48,7 +48,7 @@ class LaneOp(Posting):
         self.timeout = timeout
         self.started = posted or time.monotonic()
         self.deadline = 0.0 if timeout is None else self.started + timeout
-        self.record: Record | None = None  # in the flight record once watched (``Session.watch_outside``)
+        self.record: Record | None = None  # once watched (``Session.watch_outside``)
         if key[0]:  # a named one: found by key (named.py)
             self.words = key_words(*key)
             self.slot = -1

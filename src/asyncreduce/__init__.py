@@ -18,6 +18,7 @@ from .errors import (
     UsageError,
 )
 from .request import Request, wait_all, wait_any
+from .survivors import shrink
 
 __all__ = [
     "AsyncReduceError",
@@ -29,6 +30,7 @@ __all__ = [
     "Request",
     "UsageError",
     "init",
+    "shrink",
     "wait_all",
     "wait_any",
 ]

@@ -78,6 +78,7 @@ class NativeBackend(EngineBackend):
 
     devices = False
     ordered: OrderedEngine | None = None
+    epoch = 0  # the membership it belongs to (asyncreduce.shrink: survivors.py)
 
     def __init__(
         self, engine: Engine, rank: int, world_size: int, planes: SharedPlanes,
@@ -99,6 +100,12 @@ class NativeBackend(EngineBackend):
         whole = self.whole
         named = route("allreduce", 0, True, self.reach, True, whole)
         return named, route("allreduce", 0, False, self.reach, True, whole)
+
+    def retire(self) -> None:
+        """Its membership is over (asyncreduce.shrink): its operations go to the engine, whose
+        session refuses them as of an earlier membership (the lane still holds lost ranks)."""
+        self.lane, self.reach = None, NO_LANE
+        self.small_ways = self._small_ways()
 
     def way(self, kind: str, nbytes: int, key: Key, waiting: bool) -> int:
         """Where an operation goes (protocol/route.py)."""

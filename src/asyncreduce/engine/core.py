@@ -55,6 +55,8 @@ from .direct import DRIVE_SPIN, DirectRun
 from .entry import Entry
 from .lanes import LaneMover
 from .ownership import Ownership
+from .parts import ShrinkCall
+from .shrinks import Shrinks
 from .sink import Sink
 from .turns import Turns
 
@@ -65,7 +67,7 @@ log = logging.getLogger("asyncreduce.engine")
 THREAD_PREFIX = "asyncreduce-engine-"  # + the rank: the progress thread's name
 
 
-class Engine(Entry, Turns):
+class Engine(Entry, Turns, Shrinks):
     """Drives every operation of one communicator on its own thread (see the module docstring)."""
 
     def __init__(
@@ -80,7 +82,9 @@ class Engine(Entry, Turns):
         self.rank = rank
         self.world_size = world_size
         self._lock = threading.Lock()
-        self._submitted: deque[Operation | None] = deque()
+        self._submitted: deque[Operation | ShrinkCall | None] = deque()
+        self._shrinks: list[ShrinkCall] = []
+        self._decided: dict[int, frozenset[int] | None] = {}
         self._aborting: str | None = None  # abort(reason) was asked for
         self._closing = threading.Event()  # close() or abort() was called
         self._sleeping = False  # the thread blocks in poll(): a submit must wake it
@@ -96,6 +100,7 @@ class Engine(Entry, Turns):
                                self._has_work)  # fmt: skip
         self._sink = Sink(rank, self.session, settings, self.flight, self._closing, self._loop)
         self._apply = self._sink.apply
+        self._sink.agreed = self._agreed
         self.transport = self._sink.transport = make_transport(self._sink)
         self._direct = DirectRun(self, self._loop, self._submitted, settings)
         self._lanes = LaneMover(self.session, self._apply)

@@ -10,12 +10,24 @@ from collections.abc import Callable
 from ..lane import Lane
 from ..protocol.operation import Operation, Settings
 from ..protocol.session import Session
+from ..request import Request
 from ..transport.base import Transport
 from .lanes import LaneMover
 from .ownership import Ownership
 from .sink import Sink
 
-__all__ = ["EngineParts"]
+__all__ = ["EngineParts", "ShrinkCall"]
+
+
+class ShrinkCall:
+    """A caller's wish to go on without the lost ranks of membership ``epoch`` (shrinks.py),
+    queued among the posts."""
+
+    __slots__ = ("epoch", "request")
+
+    def __init__(self, epoch: int, request: Request[frozenset[int]]) -> None:
+        self.epoch, self.request = epoch, request
+
 
 
 class EngineParts:
@@ -30,7 +42,9 @@ class EngineParts:
     driven: int
     looked: float
     _lock: threading.Lock
-    _submitted: deque[Operation | None]
+    _submitted: deque[Operation | ShrinkCall | None]
+    _shrinks: list[ShrinkCall]  # shrink calls waiting for their agreement (shrinks.py)
+    _decided: dict[int, frozenset[int] | None]  # every membership agreed on, by epoch
     _aborting: str | None
     _closing: threading.Event
     _sleeping: bool

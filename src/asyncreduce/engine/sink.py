@@ -19,6 +19,7 @@ from collections.abc import Callable
 from ..flight import FlightRecorder
 from ..keys import Key
 from ..protocol.commands import (
+    AGREED,
     BROKE,
     CLAIM,
     DIVERT,
@@ -44,6 +45,10 @@ def _no_lane(key: Key, remember: bool) -> None:
     """``Sink.claim`` before a lane is open: nothing holds the key."""
 
 
+def _nobody_waits(epoch: int, survivors: frozenset[int] | None) -> None:
+    """``Sink.agreed`` until the engine says who waits for a membership (engine/shrinks.py)."""
+
+
 class Sink(FrameSink):
     """One engine's events in and commands out (see the module docstring); only the thread
     that holds the loop calls it."""
@@ -60,6 +65,7 @@ class Sink(FrameSink):
         self._closing, self._loop = closing, loop
         self.applying = False  # commands are being applied (a send may report itself sent)
         self.claim: Callable[[Key, bool], None] = _no_lane  # the lane's, once it is open
+        self.agreed: Callable[[int, frozenset[int] | None], None] = _nobody_waits
 
     def apply(self, each_alone: bool = False) -> None:
         """Carry out the session's commands, in order (``each_alone``: the crash handler's
@@ -113,6 +119,8 @@ class Sink(FrameSink):
             self._write_flight_record()
         elif command[0] == CLAIM:
             self.claim(command[1], command[2])
+        elif command[0] == AGREED:
+            self.agreed(command[1], command[2])
 
     def _write_flight_record(self) -> None:
         if self.settings.flight_dir:

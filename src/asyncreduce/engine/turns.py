@@ -14,17 +14,18 @@ import logging
 import os
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import BrokenError
+from ..errors import BrokenError, ClosedError
 from ..kernels.reduction import quiet_numpy
+from ..protocol.operation import Operation
 from ..request import Request
 from ..spin import SpinWindow
 from ..transport.frame import MAX_ERROR_BYTES
 from .lanes import LANE_NAP, LaneMover
-from .parts import EngineParts
+from .parts import EngineParts, ShrinkCall
 
 __all__ = ["Turns"]
 
@@ -36,6 +37,11 @@ _ABORT_LINGER = 0.5  # the same for abort(), which must return within 2 s
 
 class Turns(EngineParts):
     """The loop's turns (see the module docstring)."""
+
+    if TYPE_CHECKING:  # shrinks.py's
+
+        def _begin_shrink(self, call: ShrinkCall) -> None: ...
+        def _fail_shrinks(self, error: BaseException) -> None: ...
 
     # ---- a waiting thread, holding the loop ----------------------------------------------
 
@@ -159,12 +165,16 @@ class Turns(EngineParts):
                 op = self._submitted.popleft()
             if op is None:
                 with self._lock:
-                    late = [op for op in self._submitted if op is not None]
+                    late = list(self._submitted)
                     self._submitted.clear()
-                self.session.close(self._aborting, late)
+                self.session.close(self._aborting, [o for o in late if isinstance(o, Operation)])
                 self._lanes.close(self.lane)
                 self._apply()
+                self._fail_shrinks(ClosedError("shrink: the communicator is closed"))
                 return False
+            if isinstance(op, ShrinkCall):
+                self._begin_shrink(op)
+                continue
             self.session.post(op, time.monotonic())
             self._apply()
         return True

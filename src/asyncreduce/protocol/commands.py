@@ -14,6 +14,8 @@ frame:
     (BROKE, error)                 the communicator broke: write the flight record if asked to
     (CLAIM, key, remember)         a peer runs named ``key`` on the engine: the same-host lane
                                    hands it over if it holds it (``remember``: or once posted)
+    (AGREED, epoch, survivors)     the agreement on who is alive decided membership ``epoch``:
+                                   its ranks, or None where this rank was excluded (epochs.py)
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 if TYPE_CHECKING:
     from .operation import Operation
 
-__all__ = ["SEND", "DROP", "DIVERT", "WITHDRAW", "RELEASE", "FINISH", "BROKE", "CLAIM", "Command"]
+__all__ = [
+    "SEND", "DROP", "DIVERT", "WITHDRAW", "RELEASE", "FINISH", "BROKE", "CLAIM", "AGREED",
+    "Command",
+]  # fmt: skip
 
 SEND: Final = 0
 DROP: Final = 1
@@ -33,6 +38,7 @@ RELEASE: Final = 4
 FINISH: Final = 5
 BROKE: Final = 6
 CLAIM: Final = 7
+AGREED: Final = 8
 CONTROL_PRIORITY = 1 << 30  # control frames overtake every operation's data
 
 # Each command's type, so the engine unpacks it checked (``command[0] == SEND`` narrows the
@@ -45,4 +51,5 @@ Release = tuple[Literal[4], int]
 Finish = tuple[Literal[5], "Operation", Any, "BaseException | None"]
 Broke = tuple[Literal[6], BaseException]
 Claim = tuple[Literal[7], tuple[bytes, int], bool]
-Command = Send | Drop | Divert | Withdraw | Release | Finish | Broke | Claim
+Agreed = tuple[Literal[8], int, "frozenset[int] | None"]
+Command = Send | Drop | Divert | Withdraw | Release | Finish | Broke | Claim | Agreed

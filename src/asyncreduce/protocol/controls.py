@@ -17,6 +17,7 @@ from ..transport.frame import Descriptor, Header
 from . import commands as do
 from . import wire
 from .commands import CONTROL_PRIORITY
+from .epochs import epoch_prefix
 from .failure import silent_for, timed_out
 from .flow import KeptFrame
 from .operation import Operation
@@ -41,6 +42,9 @@ class ControlTraffic(SessionParts):
         def _fail_everywhere(self, op: Operation, error: BaseException) -> None: ...
         def _maybe_complete(self, op: Operation) -> None: ...
         def answer(self, key: Key) -> int: ...
+        def of_this_epoch(self, key: Key) -> bool: ...  # epochs.py's
+        def _on_agree(self, peer: int, message: wire.Agree) -> None: ...
+        def _agreement_beat(self, now: float) -> None: ...
 
     def tick(self, now: float) -> None:
         """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a
@@ -62,6 +66,7 @@ class ControlTraffic(SessionParts):
                 self._fail_everywhere(op, silent_for(op, self.rank, stuck,
                                                      self.settings.peer_timeout))  # fmt: skip
         self._inspect_stalls(now)
+        self._agreement_beat(now)
 
     def _on_control(self, peer: int, message: Control) -> None:
         if isinstance(message, wire.Hold):
@@ -79,9 +84,12 @@ class ControlTraffic(SessionParts):
         elif isinstance(message, wire.Answer):
             self.stall.answered(message.key, peer, message.answer, self._now)
         elif isinstance(message, wire.Abort):
-            why = f"rank {peer} broke ({message.reason}), so this rank broke too"
-            self.fail_all(BrokenError(why))
-        elif isinstance(message, wire.Failed):
+            if message.epoch == self.epoch:  # (else an earlier membership's, late)
+                why = f"rank {peer} broke ({message.reason}), so this rank broke too"
+                self.fail_all(BrokenError(why))
+        elif isinstance(message, wire.Agree):
+            self._on_agree(peer, message)
+        elif isinstance(message, wire.Failed) and self.of_this_epoch(message.key):
             error = message.error(f"{message.reason} (reported by rank {peer})")
             failing = self.matching.ops.get(message.key)
             if failing is not None:
@@ -156,11 +164,14 @@ class ControlTraffic(SessionParts):
 
     def _unposted(self, peer: int, header: Header, payload: memoryview) -> None:
         """A DATA frame for an operation not posted here: late (it completed here), dropped
-        (it failed here), or kept for when it is posted (back-pressure past the cap)."""
+        (it failed here, or it is another membership's: an earlier one's, late, or while
+        broken any but the next one's), or kept for when it is posted (back-pressure past
+        the cap)."""
         matching = self.matching
+        wanted = self.prefix if self.broken is None else epoch_prefix(self.epoch + 1)
         if header.key in matching.done:
             self._late_frame(peer, header)
-        elif header.key not in matching.failed and self.broken is None:
+        elif header.key not in matching.failed and header.key[0].startswith(wanted):
             if header.key not in matching.unexpected:
                 self._claim(header.key, remember=False)
             matching.keep(peer, header, payload)

@@ -9,6 +9,7 @@ from .commands import Command
 from .flow import Flow
 from .liveness import Liveness
 from .matching import Matching
+from .membership import Membership
 from .operation import Operation, Settings
 from .outside import Outside
 from .stall import StallInspector
@@ -20,6 +21,7 @@ class SessionParts:
     """The Session's state, as its mixins see it."""
 
     rank: int
+    world_size: int
     settings: Settings
     flight: FlightRecorder
     commands: list[Command]
@@ -32,4 +34,12 @@ class SessionParts:
     stopping: bool
     working: set[Operation]
     _landing: dict[int, tuple[Operation, Array]]
+    # the membership (epochs.py): its number, ranks and keys' prefix, the agreement on the
+    # next one once a failure started it, the peers whose connection is gone
+    epoch: int
+    members: frozenset[int]
+    prefix: bytes
+    agreement: Membership | None
+    agree_retry_at: float
+    lost_peers: set[int]
     _now: float

@@ -35,10 +35,12 @@ from . import wire
 from .around import SideDoor
 from .commands import Command
 from .controls import ControlTraffic
+from .epochs import Epochs
 from .failure import broken_by, closed_under, same_error
 from .flow import Flow, KeptFrame
 from .liveness import Liveness
 from .matching import Matching
+from .membership import Membership
 from .operation import Operation, Settings, bytes_of
 from .outside import Outside
 from .route import small
@@ -53,7 +55,7 @@ log = logging.getLogger("asyncreduce.engine")
 _WORK_PATIENCE = 0.1  # seconds: an operation with work waiting this long goes first (work)
 
 
-class Session(ControlTraffic, SideDoor):
+class Session(ControlTraffic, SideDoor, Epochs):
     """One rank's protocol state (see the module docstring)."""
 
     def __init__(
@@ -69,6 +71,10 @@ class Session(ControlTraffic, SideDoor):
         self.liveness = Liveness(rank, world_size, settings.peer_timeout, now)
         self.stall = StallInspector(rank, world_size, settings.stall_warning)
         self.outside: Outside | None = None  # the same-host lane, once open (around.py)
+        self.epoch, self.members, self.prefix = 0, frozenset(range(world_size)), b""
+        self.agreement: Membership | None = None  # epochs.py
+        self.agree_retry_at = 0.0
+        self.lost_peers: set[int] = set()
         self.broken: BaseException | None = None
         self.stopping = False  # saying goodbye: only GOODBYE frames matter now
         self.working: set[Operation] = set()  # operations with work of their own to do
@@ -90,6 +96,11 @@ class Session(ControlTraffic, SideDoor):
         earlier = self.matching.failed.get(op.key)
         if earlier is not None:
             self._fail(op, same_error(earlier, str(earlier)))
+            return
+        if not self.of_this_epoch(op.key):
+            self._fail(op, BrokenError(
+                f"{op.label}: its communicator is of an earlier membership of the ranks; "
+                f"post it to the one asyncreduce.shrink returned ({self.epoch})"))  # fmt: skip
             return
         self.matching.ops[op.key] = op
         op.small = small(payload_bytes(op.desc))
@@ -194,6 +205,7 @@ class Session(ControlTraffic, SideDoor):
     def lost(self, peer: int, error: BaseException, closing: bool) -> None:
         """The connection to ``peer`` is gone (not a failure while closing, or after goodbye)."""
         if not closing and peer not in self.liveness.departed:
+            self._suspect(peer)  # (epochs.py: an agreement on who is alive hears it)
             self.fail_all(
                 BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})")
             )
@@ -236,7 +248,7 @@ class Session(ControlTraffic, SideDoor):
         for op in list(self.matching.ops.values()):
             self._fail(op, broken_by(op, error))
         self.flow.broken()
-        message: Control = wire.Abort(str(error))
+        message: Control = wire.Abort(str(error), self.epoch)
         if about is not None:
             message = wire.Failed(*about, type(error), str(error))  # type: ignore[arg-type]
         self._control(self.liveness.open_peers(), message)

@@ -15,7 +15,8 @@ never reads ``seg`` or ``instance`` itself:
     Ask         INQUIRY      the operation          ASK              -
     Answer      INQUIRY      the operation          the answer       -
     Failed      ERROR        the operation          the error class  the reason (UTF-8)
-    Abort       ABORT        -                      -                the reason (UTF-8)
+    Abort       ABORT        - (instance: epoch)    -                the reason (UTF-8)
+    Agree       AGREE        - (instance: epoch)    -                membership.py's bytes
 
 DATA frames are the algorithms' (``step``/``seg`` name a message inside the operation), and
 GOODBYE is the transport's closing handshake; neither is a control message here.
@@ -29,6 +30,7 @@ from ..algorithms import CROSS_MEMORY, DTYPE_BY_CODE, KINDS, REDUCTION_CODES
 from ..errors import BrokenError, MismatchError
 from ..transport.frame import (
     ABORT,
+    AGREE,
     DATA,
     ERROR,
     FLOW,
@@ -43,7 +45,8 @@ from ..transport.frame import (
 __all__ = [
     "ON_DEVICE", "Key", "data_head", "describe", "mismatch_hint", "payload_bytes",
     "ASK", "PENDING", "NOT_POSTED", "DONE", "FAILED", "POSTED", "ANSWERS",
-    "Beat", "Hold", "Resume", "PostNotice", "Ask", "Answer", "Failed", "Abort", "Control",
+    "Beat", "Hold", "Resume", "PostNotice", "Ask", "Answer", "Failed", "Abort", "Agree",
+    "Control",
     "encode", "decode", "NO_DESC",
 ]  # fmt: skip
 
@@ -114,12 +117,22 @@ class Failed(NamedTuple):
 
 
 class Abort(NamedTuple):
-    """ "My communicator broke, so must yours"."""
+    """ "My communicator broke, so must yours" (of membership ``epoch``: one that arrives
+    after the survivors agreed on the next is old news)."""
 
     reason: str
+    epoch: int = 0
 
 
-Control = Beat | Hold | Resume | PostNotice | Ask | Answer | Failed | Abort
+class Agree(NamedTuple):
+    """One message of the agreement on who is alive after membership ``epoch`` failed
+    (``data``: protocol/membership.py's bytes, decoded and checked there)."""
+
+    epoch: int
+    data: bytes
+
+
+Control = Beat | Hold | Resume | PostNotice | Ask | Answer | Failed | Abort | Agree
 
 _BEAT = pack_header(HEARTBEAT, b"", 0, 0, 0, 0, NO_DESC)
 _HOLD = pack_header(FLOW, b"", 1, 0, 0, 0, NO_DESC)
@@ -140,7 +153,10 @@ def encode(message: Control) -> tuple[bytes, bytes]:
         return _RESUME, b""
     if isinstance(message, Abort):
         reason = _reason_bytes(message.reason)
-        return pack_header(ABORT, b"", 0, 0, 0, len(reason), NO_DESC), reason
+        return pack_header(ABORT, b"", message.epoch, 0, 0, len(reason), NO_DESC), reason
+    if isinstance(message, Agree):
+        data = message.data
+        return pack_header(AGREE, b"", message.epoch, 0, 0, len(data), NO_DESC), data
     (name, instance), desc = message.key, message.desc
     if isinstance(message, Failed):
         reason = _reason_bytes(message.reason)
@@ -161,7 +177,9 @@ def decode(header: Header, payload: memoryview | bytes) -> Control | None:
     if kind == FLOW:
         return Hold() if header.instance == 1 else Resume() if header.instance == 2 else None
     if kind == ABORT:
-        return Abort(bytes(payload).decode(errors="replace"))
+        return Abort(bytes(payload).decode(errors="replace"), header.instance)
+    if kind == AGREE:
+        return Agree(header.instance, bytes(payload))
     if kind == ERROR:
         error = ERROR_CLASSES.get(header.seg, BrokenError)
         return Failed(header.key, header.desc, error, bytes(payload).decode(errors="replace"))

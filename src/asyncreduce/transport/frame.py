@@ -16,7 +16,8 @@ frame (no key) says the sender's communicator broke, and why, so the receiver's 
 INQUIRY frame (a key, no payload; ``seg`` says question, answer or "posted here") serves the
 stall inspector and flow control; a FLOW frame (no key; ``instance`` 1) asks the receiver
 to send from now on only the frames of operations the sender has posted (back-pressure), and
-one with ``instance`` 2 ends that. A
+one with ``instance`` 2 ends that; an AGREE frame (no key; ``instance`` the membership's
+epoch) carries one message of the agreement on who is alive (protocol/membership.py). A
 DATA frame with the SHM flag has its payload in the sender's arena (see shm.py).
 Every field is checked against its bounds by ``parse_header`` before use.
 """
@@ -39,6 +40,7 @@ __all__ = [
     "ABORT",
     "INQUIRY",
     "FLOW",
+    "AGREE",
     "FLAG_SHM",
     "with_flags",
     "with_step",
@@ -55,7 +57,8 @@ __all__ = [
 ]
 
 MAGIC: Final = b"ARDC"
-VERSION: Final = 3  # 2: FLOW instance 2 (Resume); 3: the butterfly barrier; a HELLO carries it
+VERSION: Final = 4  # 2: FLOW instance 2 (Resume); 3: the butterfly barrier; 4: AGREE; a HELLO
+# carries it
 DATA: Final = 1
 ERROR: Final = 2
 GOODBYE: Final = 3
@@ -64,7 +67,8 @@ HEARTBEAT: Final = 5  # "still here": sent to every peer about once a second
 ABORT: Final = 6  # "my communicator broke, and so must yours": the reason is the payload
 INQUIRY: Final = 7  # the stall inspector: "what do you know of this key?" and its answer
 FLOW: Final = 8  # back-pressure: "send me only what I posted" (instance 1), "all again" (2)
-_UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT, FLOW)
+AGREE: Final = 9  # the agreement on who is alive after a failure (instance: the epoch)
+_UNKEYED: Final = (GOODBYE, CREDIT, HEARTBEAT, ABORT, FLOW, AGREE)
 FLAG_SHM: Final = 1  # the payload is in the sender's shared-memory arena, not on the wire
 _FLAGS_AT: Final = 35  # byte offset of the flags in a packed header
 STEP_AT: Final = 8  # byte offset of the step (4 bytes, little-endian) in a packed header
@@ -166,7 +170,7 @@ def parse_header(fixed: bytes | bytearray | memoryview) -> tuple[int, Header]:
         raise FrameError(f"bad magic {bytes(magic)!r}: not an asyncreduce peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version}, this rank speaks {VERSION}")
-    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT, ABORT, INQUIRY, FLOW):
+    if ftype not in (DATA, ERROR, GOODBYE, CREDIT, HEARTBEAT, ABORT, INQUIRY, FLOW, AGREE):
         raise FrameError(f"unknown frame type {ftype}")
     if flags & ~FLAG_SHM or (flags and ftype != DATA):
         raise FrameError(f"unknown flags {flags:#x} on a frame of type {ftype}")

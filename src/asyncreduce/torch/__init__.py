@@ -19,9 +19,13 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - exercised in a tor
 
 from .backend import communicator, register
 from .data_parallel import MODES, DataParallel
+from .elastic import Elastic, ElasticSampler
 from .optimizer import DataParallelOptimizer
 from .staging import iallreduce
 
 register()  # dist.init_process_group("asyncreduce")
 
-__all__ = ["DataParallel", "DataParallelOptimizer", "MODES", "communicator", "iallreduce"]
+__all__ = [
+    "DataParallel", "DataParallelOptimizer", "Elastic", "ElasticSampler", "MODES", "communicator",
+    "iallreduce",
+]  # fmt: skip

@@ -144,3 +144,23 @@ def test_the_sampler_takes_every_index_once_across_a_change_of_world() -> None:
             sampler.step_done()
     assert len(seen) == len(set(seen)), "an index taken twice"
     assert 100 - 3 * 3 < len(seen) <= 100, len(seen)
+
+
+def test_the_example_goes_on_under_asyncreduce_run_elastic() -> None:
+    """examples/elastic.py under the real launcher: rank 2 dies at step 5, the launcher lets
+    the others finish, and all three print the same steps and parameter digest."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncreduce", "run", "-n", "4", "--elastic", str(example),
+         "--epochs", "2", "--kill-rank", "2", "--kill-step", "5"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.split("] ", 1)[1] for line in done.stdout.splitlines() if "parameters" in line]
+    assert len(lines) == 3 and len(set(lines)) == 1, done.stdout
+    assert "on 3 ranks after 1 recoveries" in lines[0], lines[0]
+    assert "rank 2 exited with code 137 (killed by SIGKILL)" in done.stderr, done.stderr[-2000:]

@@ -138,6 +138,29 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) 
     assert_all_gone(tmp_path)
 
 
+def test_elastic_a_failing_rank_is_reported_and_the_others_finish(tmp_path: Path) -> None:
+    """--elastic: rank 1 fails, ranks 0 and 2 go on and exit 0 a moment later: the job's code
+    is 0, and the failure is said on stderr; every rank failing gives the first one's code."""
+    prog = script(
+        tmp_path,
+        """
+        ready()
+        wait_ready([0, 1, 2])
+        if RANK == 1:
+            raise SystemExit(3)
+        time.sleep(1.0)
+        (OUT / f"finished{RANK}").write_text("")
+        """,
+    )
+    done = launch("-n", "3", "--elastic", str(prog), str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 exited with code 3; the others go on (elastic)" in done.stderr
+    assert (tmp_path / "finished0").exists() and (tmp_path / "finished2").exists()
+    every = script(tmp_path, "raise SystemExit(4 + RANK)\n")
+    done = launch("-n", "2", "--elastic", str(every), str(tmp_path))
+    assert done.returncode in (4, 5) and done.stderr.count("the others go on") == 2, done.stderr
+
+
 def test_a_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
     prog = script(
         tmp_path,

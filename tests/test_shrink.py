@@ -130,3 +130,26 @@ def test_shrink_over_another_engine_is_refused_with_the_reason(backend: str) -> 
         pytest.skip("Open MPI and mpi4py are not installed")
     results = run_ranks(2, body_shrink_elsewhere, backend=backend)
     assert all("Open MPI 4 ends the whole job" in text for text in results.values())
+
+
+def test_the_exclusion_benchmark_runs_and_a_stopped_rank_waits_out_the_timeout(
+    tmp_path: Any,
+) -> None:
+    """benchmarks/exclusion.py, one trial of each fault: a killed rank is excluded long before
+    the peer timeout, a stopped one not before it (it might only be slow)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "exclusion.py"
+    out = tmp_path / "exclusion.json"
+    done = subprocess.run([sys.executable, str(script), "--trials", "1", "--peer-timeout", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=240,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(r["fault"], r["victim"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4 and "excluded p50" in done.stdout
+    for (fault, _), row in rows.items():
+        excluded = row["excluded_s"]["p50"]
+        assert excluded >= row["detected_s"]["p50"]
+        assert excluded < 1.0 if fault == "kill" else excluded >= 1.0, (fault, excluded)

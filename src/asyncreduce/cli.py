@@ -69,7 +69,7 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="start N ranks of a program on this machine",
         description="Start N ranks of a program on this machine, each told RANK, WORLD_SIZE, "
         "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Output lines are prefixed "
-        "with [rank]. If one rank fails, the others are stopped.",
+        "with [rank]. If one rank fails, the others are stopped (with --elastic, they go on).",
         epilog=f"example: {_RUN_EXAMPLE}",
     )
     run.add_argument("-n", "--nprocs", type=positive_int, required=True, help="number of ranks")
@@ -78,6 +78,11 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.add_argument(
         "--grace", type=seconds, default=3.0, help="seconds between SIGTERM and SIGKILL"
     )
+    run.add_argument(
+        "--elastic", action="store_true",
+        help="a rank that fails does not stop the others: they go on without it "
+        "(asyncreduce.shrink; docs/elastic.md)",
+    )  # fmt: skip
     run.add_argument(
         "--backend", choices=("native", "mpi", "torch"), default=None,
         help="what ar.init() runs on (ASYNCREDUCE_BACKEND): mpi starts the ranks with mpirun",
@@ -101,6 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         grace=args.grace,
         backend=args.backend,
+        elastic=args.elastic,
     )
 
 

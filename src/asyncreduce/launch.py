@@ -23,6 +23,9 @@ The main thread polls the children every few milliseconds:
 * a rank exited non-zero (killed by signal ``S`` counts as ``128 + S``): say so on stderr,
   stop the others (``SIGTERM``, then ``SIGKILL`` after ``grace`` seconds) and return that first
   failing rank's code;
+* with ``elastic``, a rank that fails is only reported: the others go on without it
+  (``asyncreduce.shrink``, docs/elastic.md), and the job's code is 0 once every other rank
+  exited 0 (the first failure's code if none is left);
 * the launcher got ``SIGINT`` (Ctrl-C) or ``SIGTERM``: forward it to every rank, then escalate
   (``SIGTERM``, ``SIGKILL``) each ``grace`` seconds, and return ``128 + signal`` (130 for
   Ctrl-C). A second signal while stopping escalates straight to ``SIGKILL``.
@@ -65,6 +68,7 @@ def run(
     master_port: int | None = None,
     grace: float = 3.0,
     backend: str | None = None,
+    elastic: bool = False,
 ) -> int:
     """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc).
 
@@ -81,7 +85,7 @@ def run(
     if backend == "mpi":
         return _run_mpirun(nprocs, argv)
     port = free_port(master_addr) if master_port is None else master_port
-    job = _Job(grace)
+    job = _Job(grace, elastic)
     with _catching_signals(job.signals):
         try:
             job.start(program_command(argv), nprocs, master_addr, port)
@@ -185,8 +189,9 @@ class _Rank:
 class _Job:
     """The ranks of one ``run`` call, their output pumps and the signals we received."""
 
-    def __init__(self, grace: float) -> None:
-        self.grace = grace
+    def __init__(self, grace: float, elastic: bool = False) -> None:
+        self.grace, self.elastic = grace, elastic
+        self.failed: list[_Rank] = []  # (elastic) the ranks that failed, reported
         self.ranks: list[_Rank] = []
         self.signals: list[int] = []
         self.out_lock = threading.Lock()
@@ -227,17 +232,34 @@ class _Job:
                 return self._interrupted(self.signals[0])
             finished = not any(member.running() for member in self.ranks)
             failed = self._first_failure()  # after `finished`: a rank dying in between is seen
-            if failed is not None:
+            if failed is not None and not self.elastic:
                 return self._failed(failed)
+            if failed is not None:
+                self._lost(failed)
+                continue
             if finished:
-                return 0
+                return self._elastic_code() if self.failed else 0
             time.sleep(_POLL_S)
 
     def _first_failure(self) -> _Rank | None:
         for member in self.ranks:
-            if member.proc.poll() not in (None, 0):
+            if member.proc.poll() not in (None, 0) and member not in self.failed:
                 return member
         return None
+
+    def _lost(self, member: _Rank) -> None:
+        """(elastic) Report a failed rank; the others go on without it."""
+        self.failed.append(member)
+        code = exit_code(member.proc.returncode)
+        member.drain(_DRAIN_S)
+        how = f" (killed by {signal.Signals(-member.proc.returncode).name})" if code > 128 else ""
+        self.say(f"rank {member.rank} exited with code {code}{how}; the others go on (elastic)")
+
+    def _elastic_code(self) -> int:
+        """0 if some rank did not fail (they all exited 0); else the first failure's code."""
+        if len(self.failed) < len(self.ranks):
+            return 0
+        return exit_code(self.failed[0].proc.returncode)
 
     def _failed(self, member: _Rank) -> int:
         code = exit_code(member.proc.returncode)

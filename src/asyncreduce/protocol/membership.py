@@ -165,6 +165,9 @@ class Membership:
             if not isinstance(message, Decide):
                 self.outbox.append((peer, Decide(self.excluded)))
             return
+        self._take(peer, message)
+
+    def _take(self, peer: int, message: Message) -> None:
         if isinstance(message, Decide):
             self._decide(message.value)
         elif isinstance(message, Prepare):
@@ -249,12 +252,8 @@ class Membership:
         """Answer ``peer``; an answer to this rank's own proposal is taken at once."""
         if peer != self.rank:
             self.outbox.append((peer, message))
-        elif isinstance(message, Promise):
-            self._on_promise(peer, message)
-        elif isinstance(message, Accepted):
-            self._on_accepted(peer, message.ballot)
-        elif isinstance(message, Nack):
-            self._on_nack(message)
+        else:
+            self._take(peer, message)
 
     # ---- the learner ---------------------------------------------------------------------------
 

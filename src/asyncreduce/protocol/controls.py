@@ -45,6 +45,7 @@ class ControlTraffic(SessionParts):
         def of_this_epoch(self, key: Key) -> bool: ...  # epochs.py's
         def _on_agree(self, peer: int, message: wire.Agree) -> None: ...
         def _agreement_beat(self, now: float) -> None: ...
+        def _keep_if_next(self, peer: int, message: Control, of_next: bool) -> None: ...
 
     def tick(self, now: float) -> None:
         """Expire deadlines; every beat, tell every peer we are alive, fail what waits on a
@@ -83,13 +84,17 @@ class ControlTraffic(SessionParts):
             self._control((peer,), wire.Answer(message.key, message.desc, answer))
         elif isinstance(message, wire.Answer):
             self.stall.answered(message.key, peer, message.answer, self._now)
+        elif isinstance(message, wire.Abort) and message.epoch != self.epoch:
+            self._keep_if_next(peer, message, message.epoch == self.epoch + 1)
         elif isinstance(message, wire.Abort):
-            if message.epoch == self.epoch:  # (else an earlier membership's, late)
-                why = f"rank {peer} broke ({message.reason}), so this rank broke too"
-                self.fail_all(BrokenError(why))
+            why = f"rank {peer} broke ({message.reason}), so this rank broke too"
+            self.fail_all(BrokenError(why))
         elif isinstance(message, wire.Agree):
             self._on_agree(peer, message)
-        elif isinstance(message, wire.Failed) and self.of_this_epoch(message.key):
+        elif isinstance(message, wire.Failed) and not self.of_this_epoch(message.key):
+            of_next = message.key[0].startswith(epoch_prefix(self.epoch + 1))
+            self._keep_if_next(peer, message, of_next)
+        elif isinstance(message, wire.Failed):
             error = message.error(f"{message.reason} (reported by rank {peer})")
             failing = self.matching.ops.get(message.key)
             if failing is not None:

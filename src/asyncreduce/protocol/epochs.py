@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from ..transport.frame import Descriptor
+    from .operation import Operation
 
 __all__ = ["AGREE_RETRY", "Epochs", "epoch_prefix"]
 
@@ -59,6 +60,8 @@ class Epochs(SessionParts):
             self, error: BaseException, about: tuple[Key, Descriptor] | None = None
         ) -> None: ...
         def _control(self, peers: Iterable[int], message: Control) -> None: ...
+        def _on_control(self, peer: int, message: Control) -> None: ...
+        def _fail(self, op: Operation, error: BaseException) -> None: ...
 
     def shrink(self, now: float) -> None:
         """The caller wants to go on with the survivors: break if not broken (this membership
@@ -72,6 +75,15 @@ class Epochs(SessionParts):
     def of_this_epoch(self, key: Key) -> bool:
         """Whether operation ``key`` belongs to this membership."""
         return key[0].startswith(self.prefix)
+
+    def _of_another_epoch(self, op: Operation) -> bool:
+        """Fail ``op``, posted to a communicator of an earlier membership, if it is one."""
+        if self.of_this_epoch(op.key):
+            return False
+        self._fail(op, BrokenError(
+            f"{op.label}: its communicator is of an earlier membership of the ranks; post it "
+            f"to the one asyncreduce.shrink returned ({self.epoch})"))  # fmt: skip
+        return True
 
     def _suspected(self) -> set[int]:
         """Whom this rank holds lost: connections gone, silent, or closed."""
@@ -103,6 +115,13 @@ class Epochs(SessionParts):
         agreement.suspect(self._suspected())
         agreement.on_message(peer, decoded)
         self._send_agreement()
+
+    def _keep_if_next(self, peer: int, message: Control, of_next: bool) -> None:
+        """An ABORT or a failure of another membership: an earlier one's is old news; one of the
+        next (``of_next``: a faster survivor moved on, then broke) is kept until this rank
+        moves on too, and heard then."""
+        if of_next and self.broken is not None:
+            self.from_next.append((peer, message))
 
     def _suspect(self, peer: int) -> None:
         """The connection to ``peer`` is gone: the agreement, if any, hears it."""
@@ -162,3 +181,8 @@ class Epochs(SessionParts):
         self.flight.broken = None
         self.liveness.start(self._now)  # (nobody is silent for the time the agreement took)
         self.commands.append((do.AGREED, epoch, survivors))
+        self._control(sorted(survivors - {self.rank}), wire.Resume())  # (a Hold sent while
+        # broken, to a survivor already here, is forgotten with the old flow control)
+        early, self.from_next = self.from_next, []
+        for peer, message in early:
+            self._on_control(peer, message)

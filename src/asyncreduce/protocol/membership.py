@@ -15,8 +15,11 @@ that membership, each of them proposer, acceptor and learner:
   out.
 - **Who proposes.** The lowest rank this rank does not suspect (``leader``). A rank that thinks
   itself leader proposes with ballot ``(round, rank)``; a higher ballot wins. A proposer that is
-  refused by a lower rank's ballot waits (that rank leads) until ``retry``; refused by a higher
-  rank's, it tries again at once with a higher round.
+  refused by a lower rank's ballot waits (that rank leads) until ``retry``, even if it suspects
+  that rank (two ranks that cannot reach each other would else pre-empt each other for ever);
+  refused by a higher rank's, it tries again at once with a higher round. A rank that joins
+  the agreement and does not lead tells its leader so (START), so a leader that has noticed
+  nothing yet starts.
 - **Phase 1.** PREPARE(b): an acceptor that promised nothing higher promises b and answers with
   what it accepted (ballot and value, if any) and whom it suspects; else it refuses (NACK, with
   its promise).
@@ -24,9 +27,11 @@ that membership, each of them proposer, acceptor and learner:
   promiser suspects (so a rank that only some have noticed lost is not kept for want of asking
   the others), the proposer's value is the value accepted under the highest ballot among the
   promises (Paxos's rule: a value that may be decided is never replaced), else the ranks
-  suspected by the proposer or any promiser that did not themselves promise (a rank that just
-  answered the proposer is alive to it: a suspicion between two live ranks is settled in the
-  next membership, if it lasts). ACCEPT(b, v): an acceptor that promised nothing higher accepts.
+  suspected by the proposer or any promiser that did not themselves promise, and of the
+  promisers those cut off from the ones kept: in rank order from the proposer, a promiser that
+  suspects a rank kept, or that one suspects, goes (a link down between two live ranks would
+  else break the next membership again, and the next). ACCEPT(b, v): an acceptor that
+  promised nothing higher accepts.
 - **Decision.** With a quorum of acceptances the value is decided: DECIDE(v) goes to every
   rank of the membership, the excluded too (a live one learns it is out), and every rank that
   learns it passes it on once, so a proposer lost halfway through telling does not leave some
@@ -43,7 +48,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 __all__ = [
-    "Ballot", "Prepare", "Promise", "Accept", "Accepted", "Nack", "Decide", "Message",
+    "Ballot", "Prepare", "Promise", "Accept", "Accepted", "Nack", "Decide", "Start", "Message",
     "Membership", "MembershipError", "encode", "decode",
 ]  # fmt: skip
 
@@ -91,7 +96,11 @@ class Decide(NamedTuple):
     value: frozenset[int]
 
 
-Message = Prepare | Promise | Accept | Accepted | Nack | Decide
+class Start(NamedTuple):
+    """ "I am agreeing on who is alive": its leader starts, if it has not."""
+
+
+Message = Prepare | Promise | Accept | Accepted | Nack | Decide | Start
 
 
 class Membership:
@@ -117,6 +126,8 @@ class Membership:
         self._promises: dict[int, Promise] = {}
         self._accepts: set[int] = set()
         self._value: frozenset[int] | None = None  # its value, once in phase 2
+        self._deferring = False  # refused by a lower rank's ballot: wait for ``retry``
+        self._told = False  # told its leader it agrees (START)
 
     # ---- what the caller asks ------------------------------------------------------------------
 
@@ -143,10 +154,15 @@ class Membership:
         """The failure detector suspects ``peers`` (a lost connection, a silent peer): start or
         join the agreement; this rank proposes if it leads and is not proposing yet, and a
         proposal waiting for a rank now suspected goes on without it."""
-        self.suspects |= (set(peers) & self.members) - {self.rank}
-        if self.excluded is not None or self.leader != self.rank:
+        new = (set(peers) & self.members) - self.suspects - {self.rank}
+        self.suspects |= new
+        if self.excluded is not None:
             return
-        if self._ballot is None:
+        if self.leader != self.rank:
+            if new or not self._told:  # (its leader may be new)
+                self._told = True
+                self.outbox.append((self.leader, Start()))
+        elif self._ballot is None and not self._deferring:
             self._propose()
         elif self._value is None and self._promises:
             self._maybe_accept()
@@ -154,8 +170,11 @@ class Membership:
     def retry(self) -> None:
         """The caller's timer: a proposal that did not conclude in time starts again, higher
         (a leader that waited on a lower rank's ballot, or on answers that did not come)."""
+        self._deferring = False
         if self.excluded is None and self.leader == self.rank:
             self._propose()
+        elif self.excluded is None:
+            self.outbox.append((self.leader, Start()))
 
     def on_message(self, peer: int, message: Message) -> None:
         """A message from ``peer`` (validated by ``decode``: a member's, well formed)."""
@@ -168,7 +187,10 @@ class Membership:
         self._take(peer, message)
 
     def _take(self, peer: int, message: Message) -> None:
-        if isinstance(message, Decide):
+        if isinstance(message, Start):
+            if self._ballot is None and not self._deferring and self.leader == self.rank:
+                self._propose()
+        elif isinstance(message, Decide):
             self._decide(message.value)
         elif isinstance(message, Prepare):
             self._on_prepare(peer, message.ballot)
@@ -206,12 +228,21 @@ class Membership:
         if accepted:
             value = max(accepted, key=lambda p: p.accepted).value
         else:
-            value = frozenset(suspected - promised)
+            value = frozenset(suspected - promised) | self._cut_off()
         ballot = self._ballot
         assert ballot is not None
         self._value = value
         self._send_others(Accept(ballot, value))
         self._on_accept(self.rank, ballot, value)
+
+    def _cut_off(self) -> frozenset[int]:
+        """The promisers cut off from the ones kept (see the module docstring)."""
+        heard = {peer: p.suspects for peer, p in self._promises.items()}
+        kept = [self.rank]
+        for peer in sorted(heard.keys() - {self.rank}):
+            if not heard[peer] & set(kept) and not any(peer in heard[k] for k in kept):
+                kept.append(peer)
+        return frozenset(heard.keys() - set(kept))
 
     def _on_accepted(self, peer: int, ballot: Ballot) -> None:
         if ballot != self._ballot or self._value is None:
@@ -227,6 +258,8 @@ class Membership:
         self._ballot = None  # refused: a higher ballot is in play
         if nack.promised.rank > self.rank and self.leader == self.rank:
             self._propose()  # a rank that thinks a lower one lost: take over at once
+        elif nack.promised.rank < self.rank:
+            self._deferring = True  # a lower rank leads: wait for ``retry``
 
     # ---- the acceptor --------------------------------------------------------------------------
 
@@ -272,9 +305,11 @@ class Membership:
 # A message is: type (u8), then its ballots (round u32, rank u32 each) and its sets (count u32,
 # then each rank u32, ascending). Nothing is trusted before ``decode`` has checked it.
 
-_TYPES: dict[type, int] = {Prepare: 1, Promise: 2, Accept: 3, Accepted: 4, Nack: 5, Decide: 6}
-_BALLOTS = {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 0}  # how many ballots each type carries
-_SETS = {1: 0, 2: 2, 3: 1, 4: 0, 5: 0, 6: 1}  # and how many sets
+_TYPES: dict[type, int] = {
+    Prepare: 1, Promise: 2, Accept: 3, Accepted: 4, Nack: 5, Decide: 6, Start: 7,
+}  # fmt: skip
+_BALLOTS = {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0}  # how many ballots each type carries
+_SETS = {1: 0, 2: 2, 3: 1, 4: 0, 5: 0, 6: 1, 7: 0}  # and how many sets
 _U8, _U32 = struct.Struct("<B"), struct.Struct("<I")
 _BALLOT = struct.Struct("<II")
 _NONE = 0xFFFFFFFF  # NO_BALLOT's rank on the wire
@@ -341,4 +376,6 @@ def _build(code: int, ballots: list[Ballot], sets: list[frozenset[int]]) -> Mess
         return Accepted(ballots[0])
     if code == 5:
         return Nack(ballots[0], ballots[1])
-    return Decide(sets[0])
+    if code == 6:
+        return Decide(sets[0])
+    return Start()

@@ -13,6 +13,7 @@ from .membership import Membership
 from .operation import Operation, Settings
 from .outside import Outside
 from .stall import StallInspector
+from .wire import Control
 
 __all__ = ["SessionParts"]
 
@@ -42,4 +43,5 @@ class SessionParts:
     agreement: Membership | None
     agree_retry_at: float
     lost_peers: set[int]
+    from_next: list[tuple[int, Control]]  # the next membership's aborts and failures, early
     _now: float

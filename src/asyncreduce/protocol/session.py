@@ -75,6 +75,7 @@ class Session(ControlTraffic, SideDoor, Epochs):
         self.agreement: Membership | None = None  # epochs.py
         self.agree_retry_at = 0.0
         self.lost_peers: set[int] = set()
+        self.from_next: list[tuple[int, Control]] = []
         self.broken: BaseException | None = None
         self.stopping = False  # saying goodbye: only GOODBYE frames matter now
         self.working: set[Operation] = set()  # operations with work of their own to do
@@ -97,10 +98,7 @@ class Session(ControlTraffic, SideDoor, Epochs):
         if earlier is not None:
             self._fail(op, same_error(earlier, str(earlier)))
             return
-        if not self.of_this_epoch(op.key):
-            self._fail(op, BrokenError(
-                f"{op.label}: its communicator is of an earlier membership of the ranks; "
-                f"post it to the one asyncreduce.shrink returned ({self.epoch})"))  # fmt: skip
+        if self._of_another_epoch(op):
             return
         self.matching.ops[op.key] = op
         op.small = small(payload_bytes(op.desc))
@@ -205,10 +203,10 @@ class Session(ControlTraffic, SideDoor, Epochs):
     def lost(self, peer: int, error: BaseException, closing: bool) -> None:
         """The connection to ``peer`` is gone (not a failure while closing, or after goodbye)."""
         if not closing and peer not in self.liveness.departed:
-            self._suspect(peer)  # (epochs.py: an agreement on who is alive hears it)
             self.fail_all(
                 BrokenError(f"rank {self.rank} lost its connection to rank {peer} ({error})")
             )
+            self._suspect(peer)  # (after the break: it may decide the next membership)
 
     def withdrawn(self, peer: int, frames: list[KeptFrame]) -> None:
         """The answer to WITHDRAW: the frames taken back from ``peer``'s queue."""

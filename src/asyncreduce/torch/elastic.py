@@ -33,6 +33,10 @@ backward or a step), ``run``:
    block), so no sample is dropped or doubled within the epoch;
 4. runs ``train`` again.
 
+A failure during these steps starts them again from this rank's state at the failure. Only a
+lost rank is recovered from: a TimeoutError (a ``timeout=`` that ran out everywhere) or a
+MismatchError (ranks that disagree: a bug in the loop) ends the run like any other error.
+
 ``history`` lists every committed step as ``(epoch, position, world_size)``: with the seed,
 the permutation and the batch size it names every sample each member used, so one process can
 replay the run (tests/test_elastic.py does, to 1e-5).
@@ -44,6 +48,7 @@ state taken at a failure would mix steps: they raise UsageError.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -168,24 +173,25 @@ class Elastic:
         """Go on with the survivors, with the new rank 0's state (see the module docstring);
         a failure meanwhile starts it again, and shrink's own errors (excluded, cut off) end
         the run."""
+        self.model.close()
+        saved = _Saved(self)  # (a recovery cut short starts again from this, not a mix)
         while True:
-            held = self.optimizer.state_dict()
-            self.model.close()
-            for p in self.module.parameters():
-                p.grad = None
+            saved.restore(self)
             self.comm = shrink(self.comm)
             self.recoveries += 1
             try:
                 self.model = self._wrap()  # (rank 0's parameters and buffers, broadcast)
-                self._take_rank_0s(held)
+                self._take_rank_0s(saved.optimizer)
                 return
             except BrokenError:
+                self.model.close()
                 continue
 
     def _take_rank_0s(self, held: dict[str, Any]) -> None:
         """The new rank 0's optimizer state and counters, on every survivor."""
         comm = self.comm
-        tensors = _tensors_of(held) if comm.rank == 0 else []
+        tensors = [t.cpu() for t in _tensors_of(held)] if comm.rank == 0 else []  # (a device's
+        # state, on the host: every rank then posts the same broadcasts; loading moves it back)
         shape = {
             "optimizer": _without_tensors(held),
             "tensors": [[list(t.shape), str(t.dtype)] for t in tensors],
@@ -202,6 +208,29 @@ class Elastic:
         self.history = [tuple(h) for h in shape["history"]]  # type: ignore[misc]
         self.sampler.epoch, self.sampler.position = shape["sampler_epoch"], shape["position"]
         self.sampler.shard(comm.rank, comm.world_size)
+
+
+class _Saved:
+    """This rank's state when a failure came: what every attempt to recover starts from."""
+
+    def __init__(self, state: Elastic) -> None:
+        tensors = [*state.module.parameters(), *state.module.buffers()]
+        self.tensors = [t.detach().clone() for t in tensors]
+        self.optimizer = copy.deepcopy(state.optimizer.state_dict())
+        self.counters = (state.epoch, state.step, list(state.history), state.sampler.epoch,
+                         state.sampler.position)  # fmt: skip
+
+    def restore(self, state: Elastic) -> None:
+        with torch.no_grad():
+            tensors = [*state.module.parameters(), *state.module.buffers()]
+            for t, saved in zip(tensors, self.tensors, strict=True):
+                t.copy_(saved)
+        for p in state.module.parameters():
+            p.grad = None
+        state.epoch, state.step, history, state.sampler.epoch, state.sampler.position = (
+            self.counters
+        )  # fmt: skip
+        state.history = list(history)
 
 
 def _broadcast_json(comm: Communicator, value: Any) -> Any:

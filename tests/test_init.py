@@ -121,7 +121,7 @@ def test_public_names_are_exactly_the_documented_ones() -> None:
     documented = {
         "init", "Communicator", "Request", "wait_all", "wait_any",
         "AsyncReduceError", "UsageError", "ClosedError", "BrokenError", "MismatchError",
-        "AuthenticationError",
+        "AuthenticationError", "shrink",
     }  # fmt: skip
     assert set(ar.__all__) == documented
     readme = (ROOT / "README.md").read_text()

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ClosedError
+from ..protocol.failure import same_error
 from ..protocol.operation import Operation
 from ..protocol.route import small
 from ..protocol.wire import payload_bytes
@@ -44,7 +45,8 @@ class Entry(EngineParts):
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
             refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye
             if refusal is not None:
-                raise refusal
+                earlier = self.session.matching.failed.get(op.key)  # its key failed: that
+                raise refusal if earlier is None else same_error(earlier, str(earlier))  # error
             self._submitted.append(op)
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:

@@ -26,7 +26,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to this file
 import harness  # noqa: E402
+from asyncreduce.launch import free_port  # noqa: E402
 
 KILL, STOP, LINK = "kill", "stop", "link down"
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,18 +71,12 @@ def _local_rank(rank: int, n: int, port: int, victim: int, out: Any, timeout: st
     _rank(rank, n, "127.0.0.1", port, victim, out.put)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Local:
     """Ranks as processes of this host."""
 
     def start(self, n: int, victim: int, peer_timeout: float) -> tuple[list[int], Any]:
         ctx = mp.get_context("spawn")
-        out, port = ctx.Queue(), _port()
+        out, port = ctx.Queue(), free_port()
         self.procs = [ctx.Process(target=_local_rank,
                                   args=(r, n, port, victim, out, str(peer_timeout)))
                       for r in range(n)]  # fmt: skip

@@ -373,17 +373,28 @@ def test_a_link_down_between_two_live_ranks_excludes_the_higher_one() -> None:
 
 def test_a_rank_refused_by_a_lower_ranks_ballot_waits_for_its_timer() -> None:
     """Rank 1 suspects rank 0 by mistake and proposes; rank 0's higher ballot refuses it.
-    However often rank 1's detector speaks, it proposes again only at its timer (retry), so
-    the two do not pre-empt each other for ever; rank 0 decides."""
-    net = Net(3, random.Random(9))
-    net.suspect(1, {0})
-    net.suspect(0, set())
-    for _ in range(20):
-        if not net.flying:
-            break
-        net.deliver_one()
-        net.suspect(1, {0})  # every beat: nothing new, no new proposal
+    However often rank 1's detector speaks, it proposes again only at its timer (``retry``),
+    so two ranks that cannot reach each other do not pre-empt each other at every beat."""
+    node = Membership(1, range(3))
+    node.suspect({0})
+    assert [m for _, m in node.outbox if isinstance(m, Prepare)], "rank 1 leads in its eyes"
+    node.outbox.clear()
+    node.on_message(2, Nack(Ballot(1, 1), Ballot(2, 0)))  # rank 2 promised rank 0's
+    for _ in range(5):
+        node.suspect({0})  # every beat: nothing new
+    assert not [m for _, m in node.outbox if isinstance(m, Prepare)], node.outbox
+    node.retry()
+    prepares = [m for _, m in node.outbox if isinstance(m, Prepare)]
+    assert prepares and prepares[0].ballot > Ballot(2, 0), prepares
+
+
+def test_a_leader_that_noticed_nothing_starts_when_a_rank_tells_it() -> None:
+    """Ranks 1 and 3 lost rank 2; rank 0, the leader, noticed nothing and is never asked by
+    its caller: the others' START makes it propose, and rank 2 is excluded."""
+    net = Net(4, random.Random(10))
+    net.dead.add(2)
+    net.suspect(1, {2})
+    net.suspect(3, {2})
     while net.flying:
         net.deliver_one()
-    assert all(net.nodes[r].excluded is not None for r in range(3))
-    assert len({net.nodes[r].excluded for r in range(3)}) == 1
+    assert [net.nodes[r].excluded for r in (0, 1, 3)] == [frozenset({2})] * 3

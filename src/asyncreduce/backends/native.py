@@ -118,7 +118,7 @@ class NativeBackend(EngineBackend):
         announce = False
         lane = self.lane
         if lane is not None and self.way(plan.kind, plan.buf.flat.nbytes, key, False) == LANE:
-            _, desc, _ = self._admitted(plan, label)
+            _, desc, _ = self._admitted(plan, key, label)
             if lane.post(self._lane_op(plan, key, label, timeout, desc), request):
                 return
             announce = True  # a named one the lane could not take: the peers must hear
@@ -181,7 +181,7 @@ class NativeBackend(EngineBackend):
             self.submit(plan, key, label, priority, timeout, request)
             return request
         assert self.lane is not None  # (``route``: LANE)
-        _, desc, head = self._admitted(plan, label)
+        _, desc, head = self._admitted(plan, key, label)
         posted = time.monotonic() if timeout is not None else 0.0
         reduce_op = plan.op or "sum"
         adopt_op = adopter(label, runner, _lane_op, key, label, desc, lambda: buf, reduce_op,
@@ -205,18 +205,18 @@ class NativeBackend(EngineBackend):
     ) -> LaneOp:
         return LaneOp(key, label, desc, plan.buf, plan.op or "sum", plan.result, timeout)
 
-    def _admitted(self, plan: Plan, label: str) -> Prepared:
+    def _admitted(self, plan: Plan, key: Key, label: str) -> Prepared:
         """A lane operation's type, descriptor and slot header (``described``), ``admitted``."""
         found = self.described.plan(plan)
-        self.admitted(label, found[1])
+        self.admitted(key, label, found[1])
         return found
 
-    def admitted(self, label: str, desc: Descriptor) -> None:
+    def admitted(self, key: Key, label: str, desc: Descriptor) -> None:
         """A lane operation refused (raised) if the engine refuses posts (closed, broken),
         else logged. Not for a goodbye: the lane fails an operation only if the rank that
-        left has not published it (``Session.watch_outside``), as every rank judges it, whenever it
-        posted it and read the goodbye."""
-        refused = self.engine.refusal(label, goodbyes=False)
+        left has not published it (``Session.watch_outside``), as every rank judges it,
+        whenever it posted it and read the goodbye."""
+        refused = self.engine.refusal(label, False, key)
         if refused is not None:
             raise refused
         log_post(self.rank, label, desc)
@@ -345,7 +345,7 @@ class DirectCalls:
             return backend.engine.run_direct(key, label, desc, algo, priority, None, adopt_run)
         lane = backend.lane
         assert lane is not None  # (``route``)
-        backend.admitted(label, desc)
+        backend.admitted(key, label, desc)
         adopt = adopter(label, runner, _lane_op, key, label, desc, lambda: as_buffer(x, "x"), op,
                         lambda: x, None, 0.0)  # fmt: skip
         if not key[0]:

@@ -17,10 +17,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ClosedError
-from ..protocol.failure import same_error
 from ..protocol.operation import Operation
 from ..protocol.route import small
-from ..protocol.wire import payload_bytes
+from ..protocol.wire import Key, payload_bytes
 from ..request import Request
 from .parts import EngineParts
 
@@ -43,10 +42,9 @@ class Entry(EngineParts):
         if small(payload_bytes(op.desc)) and request.mover is None and self.settings.spin:
             request.mover = self  # its waiter drives the loop (core.py: progress in the call)
         with self._lock:  # (a submit that checked before close() is taken: see _shut)
-            refusal = self.refusal(op.label, goodbyes=False)  # the session judges a goodbye
+            refusal = self.refusal(op.label, False, op.key)  # the session judges a goodbye
             if refusal is not None:
-                earlier = self.session.matching.failed.get(op.key)  # its key failed: that
-                raise refusal if earlier is None else same_error(earlier, str(earlier))  # error
+                raise refusal
             self._submitted.append(op)
             sleeping = self._sleeping  # read after the append, under the lock: see _poll
         if sleeping:
@@ -54,9 +52,12 @@ class Entry(EngineParts):
         else:
             self.wake()  # (read after the append: see Ownership.in_grace)
 
-    def refusal(self, label: str, goodbyes: bool = True) -> BaseException | None:
+    def refusal(
+        self, label: str, goodbyes: bool = True, key: Key | None = None
+    ) -> BaseException | None:
         """Why a new post must fail at once (closed, broken, or, with ``goodbyes``, a rank
-        said goodbye), if it must. ``submit`` and the lane ask without ``goodbyes``: the
+        said goodbye), if it must; where ``key`` failed already, with its error (the
+        session's ``refusal``). ``submit`` and the lane ask without ``goodbyes``: the
         session judges an engine operation on the frames the departed rank sent first, and
         the lane one on whether the departed rank's slot holds it (``Session.watch_outside``)."""
         if self._closing.is_set():
@@ -64,7 +65,7 @@ class Entry(EngineParts):
         session = self.session
         if session.broken is None and not session.liveness.departed:
             return None  # the usual case, asked for every post: nothing built
-        return session.refusal(label, goodbyes)
+        return session.refusal(label, goodbyes, key)
 
     def post(self, op: Operation) -> Request[Any]:
         """Submit ``op``; its request (a direct run's, left to the loop)."""

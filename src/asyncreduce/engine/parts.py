@@ -29,7 +29,6 @@ class ShrinkCall:
         self.epoch, self.request = epoch, request
 
 
-
 class EngineParts:
     """The Engine's state, as its mixins see it (see the module docstring)."""
 

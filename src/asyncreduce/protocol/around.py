@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ..errors import BrokenError
 from ..flight import Record, settle
 from ..transport.frame import Descriptor
+from .failure import same_error
 from .outside import Watched, judge
 from .parts import SessionParts
 from .wire import PENDING, Key
@@ -34,12 +35,19 @@ class SideDoor(SessionParts):
         ) -> None: ...
         def _ask_about(self, op: Watched, now: float) -> None: ...
 
-    def refusal(self, label: str, goodbyes: bool = True) -> BrokenError | None:
+    def refusal(
+        self, label: str, goodbyes: bool = True, key: Key | None = None
+    ) -> BaseException | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken, or (``goodbyes``) a rank said goodbye. The engine and the lane ask without
+        broken (with the error its ``key`` failed with, where a peer said so: a mismatch
+        reaches a rank that posts late as the same MismatchError), or (``goodbyes``) a rank
+        said goodbye. The engine and the lane ask without
         ``goodbyes``: an engine operation posted after a goodbye is judged by ``post``, on the
         frames the departed rank sent first; a lane operation by the departed rank's slot."""
         if self.broken is not None:
+            earlier = None if key is None else self.matching.failed.get(key)
+            if earlier is not None:
+                return same_error(earlier, str(earlier))
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken
             return error

@@ -98,7 +98,7 @@ class Session(ControlTraffic, SideDoor, Epochs):
         if earlier is not None:
             self._fail(op, same_error(earlier, str(earlier)))
             return
-        if self._of_another_epoch(op):
+        if self.prefix and self._of_another_epoch(op):  # (none before a first shrink)
             return
         self.matching.ops[op.key] = op
         op.small = small(payload_bytes(op.desc))

@@ -183,7 +183,7 @@ class _NoEngine:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
 
-    def refusal(self, label: str, goodbyes: bool = True) -> None:
+    def refusal(self, label: str, goodbyes: bool = True, key: object = None) -> None:
         return None
 
     def nudge(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..errors import BrokenError
+from ..errors import BrokenError, MismatchError
 from ..flight import Record, settle
 from ..transport.frame import Descriptor
 from .failure import same_error
@@ -39,14 +39,15 @@ class SideDoor(SessionParts):
         self, label: str, goodbyes: bool = True, key: Key | None = None
     ) -> BaseException | None:
         """Why a new post must fail at once, if it must (any thread may ask): the session is
-        broken (with the error its ``key`` failed with, where a peer said so: a mismatch
-        reaches a rank that posts late as the same MismatchError), or (``goodbyes``) a rank
+        broken (a mismatch of its ``key`` that a peer reported reaches a rank that posts it
+        late as the same MismatchError; any other failure as BrokenError chained to what broke
+        it: a TimeoutError means only that one's own wait ran out), or (``goodbyes``) a rank
         said goodbye. The engine and the lane ask without
         ``goodbyes``: an engine operation posted after a goodbye is judged by ``post``, on the
         frames the departed rank sent first; a lane operation by the departed rank's slot."""
         if self.broken is not None:
             earlier = None if key is None else self.matching.failed.get(key)
-            if earlier is not None:
+            if isinstance(earlier, MismatchError):
                 return same_error(earlier, str(earlier))
             error = BrokenError(f"{label}: the communicator is broken: {self.broken}")
             error.__cause__ = self.broken

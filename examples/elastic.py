@@ -3,9 +3,10 @@ one of them (``--kill-rank``) SIGKILLs itself in the middle of a backward pass a
 ``--kill-step``; the others agree on who remains, take the new rank 0's state and finish the
 epochs with the samples that were left, re-sharded.
 
-    asyncreduce run -n 4 examples/elastic.py --kill-rank 2 --kill-step 5
+    asyncreduce run -n 4 --elastic examples/elastic.py --kill-rank 2 --kill-step 5
 
-Every survivor prints the same final loss and parameter digest.
+With ``--max-restarts 1`` the launcher starts rank 2 again, and it rejoins at a step boundary.
+Every rank that finishes prints the same final loss and parameter digest.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> None:
     sampler = art.ElasticSampler(len(x), batch_size=8, seed=1)
     state = art.Elastic(net, comm, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                         sampler, mode="backward")  # fmt: skip
-    if comm.rank == args.kill_rank:  # dies once the last layer's gradient went out
+    if comm.rank == args.kill_rank and comm.admission is None:  # (a first start) dies once
+        # the last layer's gradient went out
         def die(grad: torch.Tensor) -> None:
             if state.step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -64,8 +66,9 @@ def main() -> None:
     mean = state.comm.allreduce(np.array([loss]), op="avg")[0]  # (the last step's, over ranks)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
     print(f"{state.step} steps on {state.comm.world_size} ranks after {state.recoveries} "
-          f"recoveries; last loss {mean:.6f}; parameters {digest.hexdigest()[:16]}",
+          f"recoveries and {state.rejoins} rejoins; last loss {mean:.6f}; parameters {digest.hexdigest()[:16]}",
           flush=True)  # fmt: skip
+    state.close()
     state.comm.close()
 
 

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from asyncreduce import launch
-from asyncreduce.argtypes import port, positive_int, seconds
+from asyncreduce.argtypes import integer, port, positive_int, seconds
 
 __all__ = ["main"]
 
@@ -84,6 +84,11 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(asyncreduce.shrink; docs/elastic.md)",
     )  # fmt: skip
     run.add_argument(
+        "--max-restarts", type=integer, default=0, metavar="N",
+        help="(with --elastic) start a failed rank again, up to N times in all; it rejoins "
+        "the others at a step boundary (docs/elastic.md)",
+    )  # fmt: skip
+    run.add_argument(
         "--backend", choices=("native", "mpi", "torch"), default=None,
         help="what ar.init() runs on (ASYNCREDUCE_BACKEND): mpi starts the ranks with mpirun",
     )  # fmt: skip
@@ -107,6 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         grace=args.grace,
         backend=args.backend,
         elastic=args.elastic,
+        max_restarts=args.max_restarts,
     )
 
 

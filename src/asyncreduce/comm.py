@@ -96,6 +96,7 @@ class Communicator(Collectives, BlockingCalls):
         self._generation = forks.generation()
         self._pid = os.getpid()
         self._parent: Communicator | None = None  # a group: the communicator it lives on
+        self.admission: Any = None  # a rejoined rank's: where it stands (bootstrap/doors.py)
         here = self._backend  # (a group's, renumbered, runs its own: NativeBackend.run_waiting)
         whole = isinstance(here, NativeBackend) and here.whole
         self._direct = DirectCalls(here) if whole else None  # type: ignore[arg-type]

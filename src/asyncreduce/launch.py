@@ -25,7 +25,10 @@ The main thread polls the children every few milliseconds:
   failing rank's code;
 * with ``elastic``, a rank that fails is only reported: the others go on without it
   (``asyncreduce.shrink``, docs/elastic.md), and the job's code is 0 once every other rank
-  exited 0 (the first failure's code if none is left);
+  exited 0 (the first failure's code if none is left). With ``max_restarts`` the launcher
+  starts a failed rank again (``ASYNCREDUCE_RESTART``: its count of restarts), up to that
+  many times in all, and it knocks on the others' doors (``ASYNCREDUCE_DOORS``: a free port
+  per rank on ``master_addr``, bootstrap/doors.py) to rejoin;
 * the launcher got ``SIGINT`` (Ctrl-C) or ``SIGTERM``: forward it to every rank, then escalate
   (``SIGTERM``, ``SIGKILL``) each ``grace`` seconds, and return ``128 + signal`` (130 for
   Ctrl-C). A second signal while stopping escalates straight to ``SIGKILL``.
@@ -69,6 +72,7 @@ def run(
     grace: float = 3.0,
     backend: str | None = None,
     elastic: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc).
 
@@ -80,12 +84,16 @@ def run(
         raise UsageError("no program to run: argv is empty")
     if grace < 0:
         raise UsageError(f"grace must be >= 0 seconds, got {grace}")
+    if max_restarts < 0:
+        raise UsageError(f"max_restarts must be >= 0, got {max_restarts}")
+    if max_restarts and not elastic:
+        raise UsageError("max_restarts needs elastic: without it a failed rank ends the job")
     if backend is not None:
         os.environ["ASYNCREDUCE_BACKEND"] = backend  # (the ranks inherit it)
     if backend == "mpi":
         return _run_mpirun(nprocs, argv)
     port = free_port(master_addr) if master_port is None else master_port
-    job = _Job(grace, elastic)
+    job = _Job(grace, elastic, max_restarts)
     with _catching_signals(job.signals):
         try:
             job.start(program_command(argv), nprocs, master_addr, port)
@@ -189,28 +197,40 @@ class _Rank:
 class _Job:
     """The ranks of one ``run`` call, their output pumps and the signals we received."""
 
-    def __init__(self, grace: float, elastic: bool = False) -> None:
-        self.grace, self.elastic = grace, elastic
+    def __init__(self, grace: float, elastic: bool = False, max_restarts: int = 0) -> None:
+        self.grace, self.elastic, self.restarts_left = grace, elastic, max_restarts
+        self.restarts = 0
         self.failed: list[_Rank] = []  # (elastic) the ranks that failed, reported
         self.ranks: list[_Rank] = []
         self.signals: list[int] = []
         self.out_lock = threading.Lock()
+        self.command: list[str] = []
+        self.envs: list[dict[str, str]] = []
 
     def start(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
+        self.command = command
+        self.envs = [child_env(rank, nprocs, master_addr, master_port) for rank in range(nprocs)]
+        if self.elastic:
+            doors = ",".join(f"{master_addr}:{free_port(master_addr)}" for _ in range(nprocs))
+            for env in self.envs:
+                env["ASYNCREDUCE_DOORS"] = doors
         for rank in range(nprocs):
-            proc = subprocess.Popen(
-                command,
-                env=child_env(rank, nprocs, master_addr, master_port),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            member = _Rank(rank, proc)
-            self.ranks.append(member)
-            assert proc.stdout is not None and proc.stderr is not None
-            member.pumps.append(self._pump(rank, proc.stdout, sys.stdout))
-            member.pumps.append(self._pump(rank, proc.stderr, sys.stderr))
+            self.ranks.append(self._spawn(rank))
+
+    def _spawn(self, rank: int) -> _Rank:
+        proc = subprocess.Popen(
+            self.command,
+            env=self.envs[rank],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        member = _Rank(rank, proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        member.pumps.append(self._pump(rank, proc.stdout, sys.stdout))
+        member.pumps.append(self._pump(rank, proc.stderr, sys.stderr))
+        return member
 
     def _pump(self, rank: int, pipe: IO[bytes], out: TextIO) -> threading.Thread:
         prefix = f"[{rank}] ".encode()
@@ -254,10 +274,16 @@ class _Job:
         member.drain(_DRAIN_S)
         how = f" (killed by {signal.Signals(-member.proc.returncode).name})" if code > 128 else ""
         self.say(f"rank {member.rank} exited with code {code}{how}; the others go on (elastic)")
+        if self.restarts_left > 0 and any(m.running() for m in self.ranks):
+            self.restarts_left -= 1
+            self.restarts += 1
+            self.envs[member.rank]["ASYNCREDUCE_RESTART"] = str(self.restarts)
+            self.ranks[self.ranks.index(member)] = self._spawn(member.rank)
+            self.say(f"rank {member.rank} started again (restart {self.restarts}); it rejoins")
 
     def _elastic_code(self) -> int:
         """0 if some rank did not fail (they all exited 0); else the first failure's code."""
-        if len(self.failed) < len(self.ranks):
+        if any(member not in self.failed for member in self.ranks):
             return 0
         return exit_code(self.failed[0].proc.returncode)
 

@@ -10,21 +10,34 @@ in the order of their old ranks. A rank the others excluded (it came back from a
 link) gets BrokenError saying so, and never disturbs them: the survivors ignore whatever it
 still sends of the old membership.
 
+``let_in`` is the other way: at a step boundary the members let in the processes that
+restarted lost ranks and knocked on their doors (bootstrap/doors.py), on a new communicator.
+
 Only the native engine can do this: over ``backend="mpi"`` (Open MPI 4 ends the whole job when
 a rank dies) and ``backend="torch"`` it raises UsageError. See docs/elastic.md.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
+import numpy as np
+
 from .backends.native import NativeBackend
+from .bootstrap.doors import Admission, Door
+from .bootstrap.native import connect_admitted
 from .comm import Communicator
 from .engine.parts import ShrinkCall
+from .protocol.operation import Settings
 from .errors import ClosedError, UsageError
 from .keys import Keys
 from .protocol.epochs import epoch_prefix
 from .request import Request
 
-__all__ = ["shrink"]
+__all__ = ["let_in", "shrink"]
+
+log = logging.getLogger("asyncreduce.comm")
 
 
 def shrink(comm: Communicator, timeout: float | None = 60.0) -> Communicator:
@@ -78,3 +91,45 @@ def _successor(
     comm._parent = successor  # (its close closes nothing now; its abort aborts the successor)
     backend.retire()
     return successor
+
+
+def let_in(
+    comm: Communicator, door: Door, doors: list[tuple[str, int]], slots: tuple[int, ...],
+    attempt: int, timeout: float = 10.0,
+) -> tuple[Communicator, tuple[int, ...]] | None:  # fmt: skip
+    """Every member calls it at the same step boundary (``slots``: the slot of each rank of
+    ``comm``, ``attempt``: how often they called it, the same on every member). If somebody
+    knocked for a vacant slot on any member's door, they all form a new communicator with
+    the joiners, which come after the members, and return it with its slots; else None.
+
+    The members first share what they heard (one allreduce: the largest nonce per vacant
+    slot), so they all admit the same joiners; the door of rank 0 serves the rendezvous. If
+    forming it failed anywhere (one allreduce on ``comm`` says), they all close it and
+    return None: ``comm`` stands. ``comm`` is not closed here."""
+    vacant = [s for s in range(len(doors)) if s not in slots]
+    if not vacant:
+        return None
+    heard = door.knocks(vacant)
+    nonces = np.array([heard.get(s, 0) for s in vacant], np.int64)
+    nonces = comm.allreduce(nonces, op="max", name="asyncreduce.let_in.knocks")
+    joiners = [(s, int(n)) for s, n in zip(vacant, nonces.tolist(), strict=True) if n]
+    if not joiners:
+        return None
+    order = (*slots, *sorted(s for s, _ in joiners))
+    namespace = f"asyncreduce/grow/{attempt}/{'-'.join(str(n) for _, n in joiners)}/"
+    for slot, nonce in joiners:
+        door.admit(slot, nonce, Admission(doors[slots[0]], namespace, order.index(slot),
+                                          len(order), order))  # fmt: skip
+    mine = Admission(doors[slots[0]], namespace, comm.rank, len(order), order)
+    grown = connect_admitted(mine, time.monotonic() + timeout, Settings.from_env())
+    for slot, nonce in joiners:
+        door.forget(slot, nonce)
+    formed = comm.allreduce(np.array([grown is not None], np.int64), op="min",
+                            name="asyncreduce.let_in.formed")  # fmt: skip
+    if formed[0]:
+        return grown, order
+    log.warning("rank %d: the new membership %s did not form everywhere; going on without "
+                "slots %s", comm.rank, order, [s for s, _ in joiners])  # fmt: skip
+    if grown is not None:
+        grown.abort("the members gave up forming this membership")
+    return None

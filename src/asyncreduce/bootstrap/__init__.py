@@ -18,6 +18,10 @@ its address sent through MPI), and ``connect`` does the rest over it:
 
 In torchrun's store, which outlives any one rendezvous, every init keeps its keys under a
 namespace of its own (``asyncreduce/<restart>/<n>/``).
+
+A process that restarts a rank of an elastic job (``ASYNCREDUCE_RESTART`` above 0, with
+``ASYNCREDUCE_DOORS``) does not meet the others in a store: it knocks on their doors until
+they let it in at a step boundary (doors.py; ``rejoin``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import os
 
 from ..comm import Communicator
 from ..errors import UsageError
-from .native import join
+from .doors import doors_from_env, restart_count
+from .native import join, rejoin
 
 __all__ = ["init"]
 
@@ -78,4 +83,6 @@ def init(
         from .ordered import connect_torch
 
         return connect_torch(group, timeout)
+    if restart_count() > 0 and doors_from_env() is not None:  # a restarted elastic rank
+        return rejoin(timeout)
     return join(rank, world_size, master_addr, master_port, init_method, timeout)

@@ -13,18 +13,19 @@ import numpy as np
 from ..auth import secret_from_env
 from ..comm import Communicator
 from ..engine import Engine
-from ..errors import UsageError
+from ..errors import BrokenError, UsageError
 from ..launchers import Place, Rendezvous, detect
 from ..protocol.operation import Settings
-from ..rendezvous import PrefixStore, Store
+from ..rendezvous import PrefixStore, Store, TCPStore
 from ..rendezvous.signed import signed
 from ..transport.mesh import connect_mesh
 from ..transport.tcp import TcpTransport
+from .doors import Admission, doors_from_env, knock
 from .meet import ABORT, gather, remaining
 from .samehost import cross_memory, identity, local_place, open_lane, share_memory
 from .stores import open_store
 
-__all__ = ["connect", "join"]
+__all__ = ["connect", "connect_admitted", "join", "rejoin"]
 
 log = logging.getLogger("asyncreduce.comm")
 _INITS = itertools.count()  # rendezvous made by this process: each gets its own namespace
@@ -58,6 +59,51 @@ def join(
     try:
         return connect(PrefixStore(_namespace(place), store), place, deadline, settings,
                        serving=serving)  # fmt: skip
+    finally:
+        store.close()
+
+
+def rejoin(timeout: float) -> Communicator:
+    """``init`` in a process that restarts a rank of a running elastic job: knock on the
+    other members' doors (doors.py) until they let it in, then connect to the new membership.
+    Its rank there is not its old one (the members keep theirs, joiners come after them):
+    ``comm.admission.slots`` names each rank's place in ``ASYNCREDUCE_DOORS``."""
+    doors = doors_from_env()
+    if doors is None:
+        raise UsageError("a restarted rank finds the job through ASYNCREDUCE_DOORS, which is unset")
+    slot = detect().rank
+    deadline = time.monotonic() + timeout
+    settings = Settings.from_env()
+    while True:
+        admission = knock(doors, slot, deadline)
+        comm = connect_admitted(admission, deadline, settings)
+        if comm is not None:
+            comm.admission = admission
+            return comm
+        log.info("slot %d: the members gave up forming %s; knocking again", slot,
+                 admission.namespace)  # fmt: skip
+
+
+def connect_admitted(
+    admission: Admission, deadline: float, settings: Settings
+) -> Communicator | None:
+    """The communicator of a new membership, as ``admission`` describes it; None if it could
+    not be formed (someone failed meanwhile: the reason is logged)."""
+    host, port = admission.rendezvous
+    place = Place(admission.rank, admission.world_size, None, None, "asyncreduce rejoin",
+                  Rendezvous("serve", host, port))  # fmt: skip
+    try:
+        store = TCPStore(host, port, is_server=False, timeout=max(0.1, remaining(deadline)))
+    except (OSError, BrokenError) as exc:
+        log.warning("rank %d of %s: %s", admission.rank, admission.namespace, exc)
+        return None
+    try:
+        return connect(PrefixStore(admission.namespace, store), place, deadline, settings,
+                       serving=False)  # fmt: skip
+    except (OSError, BrokenError, UsageError) as exc:
+        log.warning("rank %d of %s could not connect: %s", admission.rank, admission.namespace,
+                    exc)  # fmt: skip
+        return None
     finally:
         store.close()
 

@@ -57,9 +57,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..bootstrap.doors import Door, doors_from_env
 from ..comm import Communicator
 from ..errors import BrokenError, UsageError
-from ..survivors import shrink
+from ..survivors import let_in, shrink
 from .data_parallel import DataParallel, OptimizerFactory
 from .replicas import broadcast_tensors
 
@@ -136,12 +137,28 @@ class Elastic:
         self._factory, self._mode, self._options = optimizer, mode, options
         self.epoch = self.step = 0
         self.history: list[tuple[int, int, int]] = []  # (epoch, position, world size) per step
-        self.recoveries = 0
-        self.model = self._wrap()
+        self.recoveries = self.rejoins = 0
+        self._doors = doors_from_env()
+        joined = comm.admission
+        self._engine_slots = joined.slots if joined else tuple(range(comm.world_size))
+        self._slots = self._engine_slots  # the slot (place in the doors) of each rank of comm
+        self._door = self._open_door()
+        self._fresh = joined is not None  # holds no state yet: takes it in run()
+        self._attempts = 0  # calls of let_in (the same on every member)
+        self.model: DataParallel | None = None if self._fresh else self._wrap()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        assert self.model is not None, "a rejoined rank's model is made in run()"
         return self.model.optimizer
+
+    def close(self) -> None:
+        """Close the wrapper and this rank's door (not the communicator)."""
+        if self.model is not None:
+            self.model.close()
+        if self._door is not None:
+            self._door.close()
+            self._door = None
 
     def next_epoch(self) -> None:
         """The epoch is done: the next one starts, from its first sample."""
@@ -154,14 +171,57 @@ class Elastic:
         self.history.append((sampler.epoch, sampler.position, sampler.world_size))
         sampler.step_done()
         self.step += 1
+        if self._door is not None:
+            self._let_in()
 
     def run(self, train: Callable[[Elastic], T]) -> T:
         """``train(self)``, run again with the survivors after every failure."""
         while True:
             try:
+                if self._fresh:
+                    self._catch_up()
                 return train(self)
+            except _Grown:
+                continue  # (train starts again, over the new shards)
             except BrokenError:
                 self._recover()
+
+    # ---- rejoin --------------------------------------------------------------------------------
+
+    def _open_door(self) -> Door | None:
+        if self._doors is None:
+            return None
+        if len(self._doors) != len(self._engine_slots) and self.comm.admission is None:
+            raise UsageError(
+                f"ASYNCREDUCE_DOORS names {len(self._doors)} doors for {self.comm.world_size} "
+                "ranks: give one host:port per rank"
+            )  # fmt: skip
+        return Door(self._doors[self._slots[self.comm.rank]])
+
+    def _let_in(self) -> None:
+        """Let in whoever knocked (survivors.let_in), then give them the state, spread over
+        the members (they all hold the same)."""
+        assert self._door is not None and self._doors is not None and self.model is not None
+        self._attempts += 1
+        grown = let_in(self.comm, self._door, self._doors, self._slots, self._attempts)
+        if grown is None:
+            return
+        held = copy.deepcopy(self.optimizer.state_dict())
+        self.model.close()
+        old, members = self.comm, self.comm.world_size
+        self.comm, self._slots = grown
+        self._engine_slots = self._slots
+        old.close()
+        self.rejoins += 1
+        self.model = self._wrap()
+        self._take_rank_0s(held, holders=members)
+        raise _Grown  # (the loop's iterator over the old shard is stale: train starts again)
+
+    def _catch_up(self) -> None:
+        """(a rejoined rank) Take the members' state: what they do after let_in."""
+        self.model = self._wrap()
+        self._take_rank_0s({}, holders=1)
+        self._fresh = False
 
     # ---- recovery ------------------------------------------------------------------------------
 
@@ -173,41 +233,59 @@ class Elastic:
         """Go on with the survivors, with the new rank 0's state (see the module docstring);
         a failure meanwhile starts it again, and shrink's own errors (excluded, cut off) end
         the run."""
-        self.model.close()
+        if self.model is not None:
+            self.model.close()
         saved = _Saved(self)  # (a recovery cut short starts again from this, not a mix)
         while True:
             saved.restore(self)
             self.comm = shrink(self.comm)
+            self._slots = tuple(self._engine_slots[m] for m in self.comm._backend.members)
             self.recoveries += 1
             try:
                 self.model = self._wrap()  # (rank 0's parameters and buffers, broadcast)
                 self._take_rank_0s(saved.optimizer)
+                self._fresh = False
                 return
             except BrokenError:
                 self.model.close()
                 continue
 
-    def _take_rank_0s(self, held: dict[str, Any]) -> None:
-        """The new rank 0's optimizer state and counters, on every survivor."""
+    def _take_rank_0s(self, held: dict[str, Any], holders: int = 1) -> None:
+        """The new rank 0's optimizer state and counters, on every rank: ranks below
+        ``holders`` hold the same state, and each sends its share of the tensors."""
         comm = self.comm
-        tensors = [t.cpu() for t in _tensors_of(held)] if comm.rank == 0 else []  # (a device's
-        # state, on the host: every rank then posts the same broadcasts; loading moves it back)
+        tensors = [t.cpu() for t in _tensors_of(held)] if comm.rank < holders else []  # (a
+        # device's state, on the host: every rank then posts the same broadcasts; loading
+        # moves it back)
         shape = {
             "optimizer": _without_tensors(held),
             "tensors": [[list(t.shape), str(t.dtype)] for t in tensors],
             "epoch": self.epoch, "step": self.step, "position": self.sampler.position,
             "sampler_epoch": self.sampler.epoch, "history": self.history,
+            "fresh": self._fresh, "holders": holders,
         }  # fmt: skip
         shape = _broadcast_json(comm, shape)
-        if comm.rank != 0:
+        if shape["fresh"]:
+            raise BrokenError(
+                f"rank {comm.rank}: no rank that held the training state survived (the new "
+                "rank 0 had just rejoined): start the job again from a checkpoint"
+            )  # fmt: skip
+        if comm.rank >= shape["holders"]:
             tensors = [torch.empty(s, dtype=getattr(torch, d.removeprefix("torch.")))
                        for s, d in shape["tensors"]]  # fmt: skip
-        broadcast_tensors(comm, tensors, f"asyncreduce.elastic.{self.recoveries}")
+        for root in range(shape["holders"]):  # (each holder sends every holders-th tensor)
+            broadcast_tensors(comm, tensors[root :: shape["holders"]],
+                              f"asyncreduce.elastic.state.{root}", root)  # fmt: skip
         self.optimizer.load_state_dict(_with_tensors(shape["optimizer"], iter(tensors)))
         self.epoch, self.step = shape["epoch"], shape["step"]
         self.history = [tuple(h) for h in shape["history"]]  # type: ignore[misc]
         self.sampler.epoch, self.sampler.position = shape["sampler_epoch"], shape["position"]
         self.sampler.shard(comm.rank, comm.world_size)
+
+
+class _Grown(Exception):
+    """Raised by ``commit`` when ranks joined: ``run`` runs ``train`` again (Horovod's
+    HostsUpdatedInterrupt)."""
 
 
 class _Saved:
@@ -216,7 +294,8 @@ class _Saved:
     def __init__(self, state: Elastic) -> None:
         tensors = [*state.module.parameters(), *state.module.buffers()]
         self.tensors = [t.detach().clone() for t in tensors]
-        self.optimizer = copy.deepcopy(state.optimizer.state_dict())
+        held = state.optimizer.state_dict() if state.model is not None else {}
+        self.optimizer = copy.deepcopy(held)
         self.counters = (state.epoch, state.step, list(state.history), state.sampler.epoch,
                          state.sampler.position)  # fmt: skip
 

@@ -98,7 +98,7 @@ def let_in(
     attempt: int, timeout: float = 10.0,
 ) -> tuple[Communicator, tuple[int, ...]] | None:  # fmt: skip
     """Every member calls it at the same step boundary (``slots``: the slot of each rank of
-    ``comm``, ``attempt``: how often they called it, the same on every member). If somebody
+    ``comm``; ``attempt``: a number the members share and never use twice, such as the step). If somebody
     knocked for a vacant slot on any member's door, they all form a new communicator with
     the joiners, which come after the members, and return it with its slots; else None.
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -121,7 +122,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
 class Elastic:
     """A training run's state that survives failures (see the module docstring): ``model``
-    (the DataParallel), ``optimizer``, ``sampler``, ``epoch``, ``step`` and ``history``."""
+    (the DataParallel), ``optimizer``, ``sampler``, ``epoch``, ``step``, ``history`` and
+    ``changes`` (each change of membership seen here: "shrunk", "grown" or, on a rank that
+    rejoined, "joined"; with its time and the new world size)."""
 
     def __init__(
         self, module: nn.Module, comm: Communicator, optimizer: OptimizerFactory,
@@ -138,13 +141,13 @@ class Elastic:
         self.epoch = self.step = 0
         self.history: list[tuple[int, int, int]] = []  # (epoch, position, world size) per step
         self.recoveries = self.rejoins = 0
+        self.changes: list[tuple[str, float, int]] = []  # (what, time.time(), world size)
         self._doors = doors_from_env()
         joined = comm.admission
         self._engine_slots = joined.slots if joined else tuple(range(comm.world_size))
         self._slots = self._engine_slots  # the slot (place in the doors) of each rank of comm
         self._door = self._open_door()
         self._fresh = joined is not None  # holds no state yet: takes it in run()
-        self._attempts = 0  # calls of let_in (the same on every member)
         self.model: DataParallel | None = None if self._fresh else self._wrap()
 
     @property
@@ -202,8 +205,7 @@ class Elastic:
         """Let in whoever knocked (survivors.let_in), then give them the state, spread over
         the members (they all hold the same)."""
         assert self._door is not None and self._doors is not None and self.model is not None
-        self._attempts += 1
-        grown = let_in(self.comm, self._door, self._doors, self._slots, self._attempts)
+        grown = let_in(self.comm, self._door, self._doors, self._slots, self.step)
         if grown is None:
             return
         held = copy.deepcopy(self.optimizer.state_dict())
@@ -213,6 +215,7 @@ class Elastic:
         self._engine_slots = self._slots
         old.close()
         self.rejoins += 1
+        self.changes.append(("grown", time.time(), self.comm.world_size))
         self.model = self._wrap()
         self._take_rank_0s(held, holders=members)
         raise _Grown  # (the loop's iterator over the old shard is stale: train starts again)
@@ -222,6 +225,7 @@ class Elastic:
         self.model = self._wrap()
         self._take_rank_0s({}, holders=1)
         self._fresh = False
+        self.changes.append(("joined", time.time(), self.comm.world_size))
 
     # ---- recovery ------------------------------------------------------------------------------
 
@@ -241,6 +245,7 @@ class Elastic:
             self.comm = shrink(self.comm)
             self._slots = tuple(self._engine_slots[m] for m in self.comm._backend.members)
             self.recoveries += 1
+            self.changes.append(("shrunk", time.time(), self.comm.world_size))
             try:
                 self.model = self._wrap()  # (rank 0's parameters and buffers, broadcast)
                 self._take_rank_0s(saved.optimizer)

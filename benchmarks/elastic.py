@@ -63,8 +63,9 @@ class Job:
         self.port = MASTER_PORT + run
         self.procs: list[subprocess.Popen[str]] = []
         self.restarts = [0] * HOSTS
-        self.spawned: list[float] = [0.0] * HOSTS
+        self.spawned: dict[tuple[int, int], float] = {}  # (slot, restart) -> when started
         self.stopping = False
+        self.exits: list[tuple[int, float]] = []  # (slot, when its exit was seen)
         for slot in range(HOSTS):
             self.procs.append(self._spawn(slot))
 
@@ -74,7 +75,7 @@ class Job:
         argv = [sys.executable, str(Path(elastic_rank.__file__)), "--stop", str(self.stop_file),
                 "--out", str(self.folder)]  # fmt: skip
         proc = self.cluster.popen(slot, argv, env, stdout=subprocess.PIPE)
-        self.spawned[slot] = time.time()
+        self.spawned[(slot, self.restarts[slot])] = time.time()
         threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
         return proc
 
@@ -89,6 +90,7 @@ class Job:
         again = []
         for slot, proc in enumerate(self.procs):
             if proc.poll() is not None and not self.stopping:
+                self.exits.append((slot, time.time()))
                 self.restarts[slot] += 1
                 self.procs[slot] = self._spawn(slot)
                 again.append(slot)
@@ -132,10 +134,13 @@ class Record:
     """What one run's ranks said, read as they say it."""
 
     def __init__(self) -> None:
-        self.digests: dict[int, dict[int, str]] = {}  # step -> slot -> digest
+        self.digests: dict[int, dict[tuple[int, int], str]] = {}  # step -> (slot, restart) ->
+        self.last_step: dict[tuple[int, int], int] = {}  # (slot, restart) -> its last step
+        self.ended: set[tuple[int, int]] = set()  # the processes that ended normally
         self.worlds: dict[int, int] = {}  # step -> world size
         self.step_t: dict[int, float] = {}  # step -> when its first member committed it
         self.changes: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # every line but the steps
         self.starts: list[dict[str, Any]] = []
         self.joined: list[dict[str, Any]] = []  # each restarted rank's first committed step
         self.last_step_t = time.time()
@@ -145,14 +150,20 @@ class Record:
 
     def take(self, line: dict[str, Any]) -> None:
         kind = line["event"]
+        if kind != "step":
+            self.events.append(line)
         if kind == "start":
             self.starts.append(line)
             if line["restart"]:
                 self._fresh.add(line["slot"])
         elif kind == "change":
             self.changes.append(line)
+        elif kind == "end":
+            self.ended.add((line["slot"], line["restart"]))
         elif kind == "step":
-            self.digests.setdefault(line["step"], {})[line["slot"]] = line["digest"]
+            who = (line["slot"], line["restart"])
+            self.digests.setdefault(line["step"], {})[who] = line["digest"]
+            self.last_step[who] = line["step"]
             self.worlds[line["step"]] = line["world"]
             self.step_t.setdefault(line["step"], line["t"])
             self.last_step_t, self.last_world = time.time(), line["world"]
@@ -162,8 +173,18 @@ class Record:
                 self._fresh.discard(line["slot"])
                 self.joined.append(line)
 
-    def divergent(self) -> int:
-        return sum(len(set(by_slot.values())) > 1 for by_slot in self.digests.values())
+    def divergent(self) -> list[dict[str, Any]]:
+        """The steps whose digests differ between ranks. The last step of a process that was
+        struck is left out: it may have finished a step that no other member finished (the
+        group then redid it without that process), so it was never committed."""
+        cut = {(who, step) for who, step in self.last_step.items() if who not in self.ended}
+        found = []
+        for step, by_who in sorted(self.digests.items()):
+            kept = {who: d for who, d in by_who.items() if (who, step) not in cut}
+            if len(set(kept.values())) > 1:
+                found.append({"step": step, "digests": {f"{s}.{r}": d for (s, r), d in
+                                                        kept.items()}})  # fmt: skip
+        return found
 
 
 def run_once(cluster: Any, args: argparse.Namespace, every: float | None, run: int,
@@ -197,7 +218,10 @@ def run_once(cluster: Any, args: argparse.Namespace, every: float | None, run: i
         for proc in job.procs:
             if proc.poll() is None:
                 proc.kill()
-    return _summary(record, faults, began, ended_t, hung, folder, args)
+    for fault in faults:  # (when the victim's process was gone)
+        exits = [t for slot, t in job.exits if slot == fault["slot"] and t >= fault["t"]]
+        fault["exited_after_s"] = min(exits) - fault["t"] if exits else None
+    return _summary(record, faults, began, ended_t, hung, folder, args, job.spawned)
 
 
 def _wait_for_steps(job: Job, record: Record) -> None:
@@ -223,27 +247,41 @@ def _drain(job: Job, record: Record, wait: float) -> None:
 
 
 def _summary(record: Record, faults: list[dict[str, Any]], began: float, ended: float,
-             hung: bool, folder: Path, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+             hung: bool, folder: Path, args: argparse.Namespace,
+             spawned: dict[tuple[int, int], float]) -> dict[str, Any]:  # fmt: skip
     committed = [s for s in record.worlds if record.digests[s]]
     steps_in = [s for s in committed if began <= record.step_t[s] <= ended]
     samples = sum(record.worlds[s] * elastic_rank.BATCH for s in steps_in)
     exclusion = {k: _exclusions(record, faults, k) for k in (KILL, STOP, LINK)}
-    rejoin = [j["t"] - _start_time(record, j["slot"], j["t"]) for j in record.joined]
+    rejoin = [j["t"] - spawned[(j["slot"], j["restart"])] for j in record.joined]
     state_bytes = sum(p.numel() * 8 * 2 for p in elastic_rank.model().parameters())  # +momentum
     return {
-        "seconds": ended - began, "faults": len(faults), "samples": samples,
-        "samples_per_s": samples / (ended - began), "divergent": record.divergent(),
+        "seconds": ended - began, "began": began, "faults": len(faults), "samples": samples,
+        "samples_per_s": samples / (ended - began), "divergent": len(record.divergent()),
+        "divergent_steps": record.divergent()[:10], "back_s": _back(record, faults),
         "steps": len(committed), "hung": hung, "exclusion_s": exclusion,
         "rejoin_s": rejoin, "state_bytes": state_bytes,
         "rejoin_target_s": 3.0 + state_bytes * 8 / harness.cluster.load_module(
             "cluster", ROOT / "scripts" / "cluster.py").parse_rate(args.rate),
         "replay_max_diff": _replay_diff(folder),
-        "fault_log": faults,
+        "fault_log": faults, "events": record.events,
+        "spawned": [[*who, t] for who, t in spawned.items()],
+        "timeline": sorted((record.step_t[s] - began, record.worlds[s]) for s in committed),
     }  # fmt: skip
 
 
-def _start_time(record: Record, slot: int, before: float) -> float:
-    return max(s["t"] for s in record.starts if s["slot"] == slot and s["t"] <= before)
+def _back(record: Record, faults: list[dict[str, Any]]) -> list[float]:
+    """Per fault: seconds until a step of the whole membership again, after the exclusion."""
+    back = []
+    for fault in faults:
+        shrunk = [c["t"] for c in record.changes if c["what"] == "shrunk" and c["t"] > fault["t"]]
+        if not shrunk:
+            continue
+        later = [t for step, t in record.step_t.items()
+                 if t > min(shrunk) and record.worlds[step] == HOSTS]  # fmt: skip
+        if later:
+            back.append(min(later) - fault["t"])
+    return back
 
 
 def _exclusions(record: Record, faults: list[dict[str, Any]], kind: str) -> list[float]:
@@ -330,11 +368,20 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["name"] for r in rows]
-    ax.bar(names, [r["samples_per_s"] for r in rows])
-    ax.set_ylabel("samples committed per second")
-    ax.set_title("asyncreduce elastic: goodput under rotating faults (4 emulated hosts)")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for row in rows:
+        times = [t for t, _ in row["timeline"] if t >= 0]
+        samples, total = [], 0
+        for _, world in (r for r in row["timeline"] if r[0] >= 0):
+            total += world * elastic_rank.BATCH
+            samples.append(total)
+        ax.plot(times, samples, label=f"{row['name']} ({row['samples_per_s'] / rows[0]['samples_per_s']:.0%})")
+        for fault in row["fault_log"]:
+            ax.axvline(fault["t"] - row["began"], color="grey", lw=0.5)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("samples committed")
+    ax.set_title("asyncreduce elastic: training through rotating faults (4 emulated hosts)")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 

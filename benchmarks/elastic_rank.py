@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     x, y = data()
     net = model()
     comm = ar.init(timeout=60)
+    say(event="init", slot=slot, restart=restart, t=time.time())
     state = art.Elastic(net, comm, optimizer, sampler(), mode="backward")
     told = 0
 
@@ -87,8 +88,8 @@ def main(argv: list[str]) -> int:
                 for what, when, world in state.changes[told:]:
                     say(event="change", slot=slot, what=what, t=when, world=world)
                 told = len(state.changes)
-                say(event="step", slot=slot, step=state.step, world=state.comm.world_size,
-                    t=time.time(), digest=digest(net))  # fmt: skip
+                say(event="step", slot=slot, restart=restart, step=state.step,
+                    world=state.comm.world_size, t=time.time(), digest=digest(net))  # fmt: skip
                 stop = np.array([args.stop.exists()], np.int64)
                 if state.comm.allreduce(stop, op="max", name="bench.stop")[0]:
                     return
@@ -102,7 +103,8 @@ def main(argv: list[str]) -> int:
     params = [p.detach().numpy() for p in net.parameters()]
     np.savez(args.out / f"slot-{slot}-{restart}.npz", *params,
              history=np.array(state.history, np.int64).reshape(-1, 3))  # fmt: skip
-    say(event="end", slot=slot, t=time.time(), step=state.step, digest=digest(net))
+    say(event="end", slot=slot, restart=restart, t=time.time(), step=state.step,
+        digest=digest(net))  # fmt: skip
     state.close()
     state.comm.close()
     return 0

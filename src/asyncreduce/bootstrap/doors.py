@@ -21,17 +21,21 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import BrokenError, UsageError
 from ..rendezvous import TCPStore
 
-__all__ = ["Admission", "Door", "doors_from_env", "knock", "restart_count"]
+__all__ = ["BEFORE_KNOCK", "Admission", "Door", "doors_from_env", "knock", "restart_count"]
 
 log = logging.getLogger("asyncreduce.comm")
 DOORS_ENV, RESTART_ENV = "ASYNCREDUCE_DOORS", "ASYNCREDUCE_RESTART"
 _MAX_NONCE = 2**62
+
+#: Run before the first knock: once let in, the members wait for this process, so what costs
+#: it time once per process (torch's first optimizer: asyncreduce.torch adds it) comes first.
+BEFORE_KNOCK: list[Callable[[], None]] = []
 
 
 def doors_from_env(env: Mapping[str, str] = os.environ) -> list[tuple[str, int]] | None:
@@ -137,6 +141,8 @@ def knock(doors: Sequence[tuple[str, int]], slot: int, deadline: float,
     if not 0 <= slot < len(doors):
         raise UsageError(f"rank {slot} has no place among the {len(doors)} doors of the job")
     others = [d for s, d in enumerate(doors) if s != slot]
+    for warm_up in BEFORE_KNOCK:
+        warm_up()
     tried: list[str] = []
     while time.monotonic() < deadline:
         for host, port in others:

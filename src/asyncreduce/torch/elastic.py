@@ -33,6 +33,14 @@ backward or a step), ``run``:
    block), so no sample is dropped or doubled within the epoch;
 4. runs ``train`` again.
 
+Rejoin. Where the job has doors (``ASYNCREDUCE_DOORS``: bootstrap/doors.py), ``commit`` also
+lets in the processes that restarted lost ranks and knocked (``asyncreduce.survivors.let_in``):
+on a new communicator, the members first and the joiners after them, the joiners get the state
+(parameters and buffers from rank 0, the optimizer's tensors spread over the members), and
+``commit`` raises inside ``train`` so that ``run`` runs it again over the new shards. A
+rejoined rank (its ``comm.admission`` set by ``ar.init()``) takes that state in ``run`` before
+it trains.
+
 A failure during these steps starts them again from this rank's state at the failure. Only a
 lost rank is recovered from: a TimeoutError (a ``timeout=`` that ran out everywhere) or a
 MismatchError (ranks that disagree: a bug in the loop) ends the run like any other error.
@@ -58,7 +66,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..bootstrap.doors import Door, doors_from_env
+from ..bootstrap.doors import BEFORE_KNOCK, Door, doors_from_env
 from ..comm import Communicator
 from ..errors import BrokenError, UsageError
 from ..survivors import let_in, shrink
@@ -286,6 +294,15 @@ class Elastic:
         self.history = [tuple(h) for h in shape["history"]]  # type: ignore[misc]
         self.sampler.epoch, self.sampler.position = shape["sampler_epoch"], shape["position"]
         self.sampler.shard(comm.rank, comm.world_size)
+
+
+def _first_optimizer() -> None:
+    """torch's first optimizer in a process takes a second (it imports torch._dynamo): a
+    restarted rank makes one before it knocks, not while the members wait for its state."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+BEFORE_KNOCK.append(_first_optimizer)
 
 
 class _Grown(Exception):

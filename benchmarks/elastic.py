@@ -12,7 +12,8 @@ Each run lasts ``--seconds``; the first is fault-free, on the same hosts. The ta
 * goodput: samples committed per second over the run, and its ratio to the fault-free run's;
 * exclusion: seconds from a fault until every survivor had its new membership (p50, p99);
 * rejoin: seconds from a restarted process's start until its first committed step (p50, p99),
-  beside the target of 3 s plus its state's size over the link rate;
+  beside the target of 3 s plus its state's size over the link rate; "of it ours": from the
+  moment it calls ``ar.init()`` (Python, torch and torch's first optimizer are loaded by then);
 * divergent: committed steps whose parameter digests differ between members (must be 0);
 * hangs: runs that stopped committing for 30 s, or did not end within 60 s of the stop;
 * replay: the largest difference between the parameters and a one-process replay of the
@@ -254,13 +255,14 @@ def _summary(record: Record, faults: list[dict[str, Any]], began: float, ended: 
     samples = sum(record.worlds[s] * elastic_rank.BATCH for s in steps_in)
     exclusion = {k: _exclusions(record, faults, k) for k in (KILL, STOP, LINK)}
     rejoin = [j["t"] - spawned[(j["slot"], j["restart"])] for j in record.joined]
+    ours = [j["t"] - _event(record, "ready", j) for j in record.joined]
     state_bytes = sum(p.numel() * 8 * 2 for p in elastic_rank.model().parameters())  # +momentum
     return {
         "seconds": ended - began, "began": began, "faults": len(faults), "samples": samples,
         "samples_per_s": samples / (ended - began), "divergent": len(record.divergent()),
         "divergent_steps": record.divergent()[:10], "back_s": _back(record, faults),
         "steps": len(committed), "hung": hung, "exclusion_s": exclusion,
-        "rejoin_s": rejoin, "state_bytes": state_bytes,
+        "rejoin_s": rejoin, "rejoin_ours_s": ours, "state_bytes": state_bytes,
         "rejoin_target_s": 3.0 + state_bytes * 8 / harness.cluster.load_module(
             "cluster", ROOT / "scripts" / "cluster.py").parse_rate(args.rate),
         "replay_max_diff": _replay_diff(folder),
@@ -282,6 +284,12 @@ def _back(record: Record, faults: list[dict[str, Any]]) -> list[float]:
         if later:
             back.append(min(later) - fault["t"])
     return back
+
+
+def _event(record: Record, kind: str, joined: dict[str, Any]) -> float:
+    """When the process that ``joined`` was said ``kind``."""
+    return next(e["t"] for e in record.events if e["event"] == kind
+                and (e["slot"], e["restart"]) == (joined["slot"], joined["restart"]))  # fmt: skip
 
 
 def _exclusions(record: Record, faults: list[dict[str, Any]], kind: str) -> list[float]:
@@ -348,7 +356,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["samples_per_s"]
     lines = [f"{'run':12} {'s':>5} {'faults':>6} {'samples/s':>9} {'goodput':>7} "
              f"{'kill p50/p99':>12} {'stop p50/p99':>12} {'link p50/p99':>12} "
-             f"{'rejoin p50/p99':>14} {'divergent':>9} {'hangs':>5} {'replay':>8}"]  # fmt: skip
+             f"{'rejoin p50/p99':>14} {'of it ours':>10} {'divergent':>9} {'hangs':>5} "
+             f"{'replay':>8}"]  # fmt: skip
     for row in rows:
         ex = row["exclusion_s"]
         replay = "-" if row["replay_max_diff"] is None else f"{row['replay_max_diff']:.1e}"
@@ -357,6 +366,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{row['samples_per_s']:>9.0f} {row['samples_per_s'] / base:>7.1%} "
             f"{_percentiles(ex[KILL]):>12} {_percentiles(ex[STOP]):>12} "
             f"{_percentiles(ex[LINK]):>12} {_percentiles(row['rejoin_s']):>14} "
+            f"{_percentiles(row['rejoin_ours_s']):>10} "
             f"{row['divergent']:>9} {int(row['hung']):>5} {replay:>8}"
         )  # fmt: skip
     return "\n".join(lines)

@@ -4,7 +4,10 @@ It trains a small regression with ``asyncreduce.torch.Elastic`` (mode "backward"
 file ``--stop`` exists on some member (one allreduce per step asks, so every member stops after
 the same step), and prints one JSON line per event on stdout: ``start`` (its slot and restart
 count), ``step`` (every committed step: its number, the world size, the time and a digest of
-the parameters), ``change`` (each change of membership this rank saw) and ``end``. At the end
+the parameters), ``change`` (each change of membership this rank saw) and ``end``; ``ready``
+and ``init`` around ``ar.init()``, which in a restarted rank is its knock and connection (torch's
+first optimizer, which imports torch._dynamo for a second, is made before ``ready``, so what
+lies between the two is asyncreduce's alone). At the end
 it writes its parameters and the committed steps to ``--out``/slot-S-R.npz for the replay.
 A restarted rank (``ASYNCREDUCE_RESTART``) rejoins through the doors in ``ar.init()``.
 """
@@ -70,6 +73,8 @@ def main(argv: list[str]) -> int:
     say(event="start", slot=slot, restart=restart, t=time.time())
     x, y = data()
     net = model()
+    optimizer(list(model().parameters()))  # (torch's first optimizer: see below)
+    say(event="ready", slot=slot, restart=restart, t=time.time())
     comm = ar.init(timeout=60)
     say(event="init", slot=slot, restart=restart, t=time.time())
     state = art.Elastic(net, comm, optimizer, sampler(), mode="backward")

@@ -161,6 +161,32 @@ def test_elastic_a_failing_rank_is_reported_and_the_others_finish(tmp_path: Path
     assert done.returncode in (4, 5) and done.stderr.count("the others go on") == 2, done.stderr
 
 
+def test_max_restarts_starts_a_failed_rank_again_with_the_doors(tmp_path: Path) -> None:
+    """--elastic --max-restarts 2: rank 1 fails on its first two starts and succeeds on the
+    third; each start sees ASYNCREDUCE_RESTART count up and the same ASYNCREDUCE_DOORS, one
+    host:port per rank. A third failure would have nobody to restart it; without --elastic
+    the option is refused."""
+    prog = script(
+        tmp_path,
+        """
+        restart = os.environ.get("ASYNCREDUCE_RESTART", "0")
+        (OUT / f"start{RANK}-{restart}").write_text(os.environ["ASYNCREDUCE_DOORS"])
+        if RANK == 1 and restart != "2":
+            raise SystemExit(5)
+        time.sleep(1.5)
+        """,
+    )
+    done = launch("-n", "2", "--elastic", "--max-restarts", "2", str(prog), str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    starts = sorted(p.name for p in tmp_path.glob("start*"))
+    assert starts == ["start0-0", "start1-0", "start1-1", "start1-2"], starts
+    doors = {(tmp_path / name).read_text() for name in starts}
+    assert len(doors) == 1 and len(doors.pop().split(",")) == 2, doors
+    assert done.stderr.count("rank 1 started again") == 2, done.stderr
+    refused = launch("-n", "2", "--max-restarts", "1", str(prog), str(tmp_path))
+    assert refused.returncode == 2 and "--max-restarts N needs --elastic" in refused.stderr
+
+
 def test_a_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
     prog = script(
         tmp_path,

@@ -104,6 +104,9 @@ def _run(args: argparse.Namespace) -> int:
         program = program[1:]
     if not program:
         args.run_parser.error(f"missing the program to run (e.g. {_RUN_EXAMPLE})")
+    if args.max_restarts < 0 or args.max_restarts and not args.elastic:
+        args.run_parser.error("--max-restarts N needs --elastic and N >= 0: without --elastic a "
+                              "failed rank stops the others, so there is nobody to rejoin")  # fmt: skip
     return launch.run(
         args.nprocs,
         program,

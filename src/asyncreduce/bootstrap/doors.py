@@ -161,9 +161,14 @@ def knock(doors: Sequence[tuple[str, int]], slot: int, deadline: float,
 
 def _knock_once(host: str, port: int, slot: int, nonce: int, wait: float) -> Admission:
     store = TCPStore(host, port, is_server=False, timeout=min(wait, 2.0))
+    key = f"join/{slot}"
     try:
-        store.set(f"join/{slot}", str(nonce).encode())
-        data = store.get(f"admit/{slot}/{nonce}", wait)
+        store.set(key, str(nonce).encode())
+        try:
+            data = store.get(f"admit/{slot}/{nonce}", wait)
+        except TimeoutError:
+            store.delete(key)  # (this knock goes elsewhere: no member is to admit it here)
+            raise
     finally:
         store.close()
     try:

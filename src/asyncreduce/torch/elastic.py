@@ -156,6 +156,7 @@ class Elastic:
         self._slots = self._engine_slots  # the slot (place in the doors) of each rank of comm
         self._door = self._open_door()
         self._fresh = joined is not None  # holds no state yet: takes it in run()
+        self._handing: dict[str, Any] | None = None  # the optimizer state while it is handed on
         self.model: DataParallel | None = None if self._fresh else self._wrap()
 
     @property
@@ -216,7 +217,7 @@ class Elastic:
         grown = let_in(self.comm, self._door, self._doors, self._slots, self.step)
         if grown is None:
             return
-        held = copy.deepcopy(self.optimizer.state_dict())
+        held = self._handing = copy.deepcopy(self.optimizer.state_dict())
         self.model.close()
         old, members = self.comm, self.comm.world_size
         self.comm, self._slots = grown
@@ -226,6 +227,7 @@ class Elastic:
         self.changes.append(("grown", time.time(), self.comm.world_size))
         self.model = self._wrap()
         self._take_rank_0s(held, holders=members)
+        self._handing = None
         raise _Grown  # (the loop's iterator over the old shard is stale: train starts again)
 
     def _catch_up(self) -> None:
@@ -317,7 +319,8 @@ class _Saved:
         tensors = [*state.module.parameters(), *state.module.buffers()]
         self.tensors = [t.detach().clone() for t in tensors]
         held = state.optimizer.state_dict() if state.model is not None else {}
-        self.optimizer = copy.deepcopy(held)
+        self.optimizer = copy.deepcopy(held if state._handing is None else state._handing)
+        state._handing = None  # (a failure while it was handed on: the new optimizer is empty)
         self.counters = (state.epoch, state.step, list(state.history), state.sampler.epoch,
                          state.sampler.position)  # fmt: skip
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ from allreduce_report import (  # noqa: E402
     Result,
     Run,
     Settings,
+    memcpy_all_cores_gbps,
     memcpy_gbps,
     plot,
     report,
@@ -308,6 +310,9 @@ def _parent_main(
     elapsed = time.monotonic() - started
     machine = {**machine_info(), **load.ended()}
     machine["memcpy_gbps"] = {str(n): memcpy_gbps(n) for n in settings.sizes if n >= 1 << 20}
+    machine["memcpy_all_cores_gbps"] = {str(n): memcpy_all_cores_gbps(n)
+                                        for n in settings.sizes if n >= 1 << 20}  # fmt: skip
+    machine["copy_cores"] = len(os.sched_getaffinity(0))
     return harness.finish(
         report(run, machine), elapsed, interrupted, bool(run.failures),
         json_path, lambda path: write_json(path, run, machine, argv, elapsed),

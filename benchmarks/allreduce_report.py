@@ -3,7 +3,8 @@
 ``Settings`` are the resolved options (parent and workers read the same), ``Result`` one
 (library, N, size) point as a worker measured it in one round, ``Run`` all of them with what
 was skipped or failed. ``report`` prints the machine line, one core's memcpy bandwidth (the
-yardstick of a one-host allreduce), the settings, then one ``table`` per N: latency and bus
+yardstick of a one-host allreduce) and every core's at once (its limit, issue 38), the
+settings, then one ``table`` per N: latency and bus
 bandwidth per library in ``LIBS`` order, and asyncreduce's (``OURS``) ratios to the others.
 Over several rounds (``--rounds``) a point is the median of its rounds, and a ratio the median
 of the rounds' own ratios, with their spread: each round's pair met the machine in the same
@@ -26,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, next to
 import harness  # noqa: E402
 from harness import format_size  # noqa: E402
 
-__all__ = ["LIBS", "OURS", "Result", "Run", "Settings", "memcpy_gbps", "plot", "report", "table",
-           "write_json"]  # fmt: skip
+__all__ = ["LIBS", "OURS", "Result", "Run", "Settings", "memcpy_all_cores_gbps", "memcpy_gbps",
+           "plot", "report", "table", "write_json"]  # fmt: skip
 
 LIBS = ("asyncreduce", "window", "gloo", "mpi", "mpi-tcp")
 OURS = ("asyncreduce", "window")  # window: asyncreduce on buffers from comm.shared_empty
@@ -230,6 +231,38 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def memcpy_all_cores_gbps(nbytes: int, repeats: int = 5) -> float:
+    """Every core's copy bandwidth together at this size: one thread per core of this
+    process's affinity mask, each copying a buffer of its own at once (numpy's copy releases
+    the GIL), total bytes over the slowest thread's time, median of ``repeats``: the limit a
+    one-host allreduce that uses every core is read against."""
+    import os
+    import threading
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    pairs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(cores)]
+    for src, dst in pairs:
+        np.copyto(dst, src)  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        start = threading.Barrier(cores + 1)
+        threads = [threading.Thread(target=_copy_after, args=(start, src, dst))
+                   for src, dst in pairs]  # fmt: skip
+        for t in threads:
+            t.start()
+        start.wait()
+        began = time.perf_counter()
+        for t in threads:
+            t.join()
+        times.append(time.perf_counter() - began)
+    return cores * nbytes / statistics.median(times) / 1e9
+
+
+def _copy_after(start: Any, src: np.ndarray, dst: np.ndarray) -> None:
+    start.wait()
+    np.copyto(dst, src)
+
+
 def report(run: Run, machine: dict[str, Any]) -> str:
     lines = [_machine_line(machine)]
     if machine.get("memcpy_gbps"):
@@ -238,6 +271,13 @@ def report(run: Run, machine: dict[str, Any]) -> str:
             for size, gbps in machine["memcpy_gbps"].items()
         )
         lines.append(f"one core's memcpy (numpy copyto, after the runs): {copies}")
+    if machine.get("memcpy_all_cores_gbps"):
+        copies = ", ".join(
+            f"{format_size(int(size))} {gbps:.2f} GB/s"
+            for size, gbps in machine["memcpy_all_cores_gbps"].items()
+        )
+        lines.append(f"all {machine.get('copy_cores', '?')} cores' memcpy at once (a thread "
+                     f"each, a buffer each): {copies}")  # fmt: skip
     for lib, why in run.skipped.items():
         lines.append(f"skipped {lib}: {why}")
     for f in run.failures:

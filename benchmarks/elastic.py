@@ -6,12 +6,16 @@ Four ranks, one per emulated host (network namespaces behind one switch, links s
 them is struck, in turn: SIGKILL of slot 3, SIGSTOP of slot 2 (SIGCONT after the peer timeout
 plus 1 s), link down of slot 1 (up again as long after), SIGKILL of slot 0 (the store's host).
 This process restarts whatever exited (``ASYNCREDUCE_RESTART``), and it rejoins through the
-doors. A fault waits until the last victim is back, at most another ``--every`` seconds.
+doors. As ``asyncreduce run --max-restarts`` does, the process that restarts a slot is a
+spare, started ahead on that host and waiting in ``ar.init()`` (a new one is started 5 s after
+each call); ``--no-spares`` starts a new process instead. A fault waits until the last victim
+is back, at most another ``--every`` seconds.
 
 Each run lasts ``--seconds``; the first is fault-free, on the same hosts. The table gives:
 * goodput: samples committed per second over the run, and its ratio to the fault-free run's;
 * exclusion: seconds from a fault until every survivor had its new membership (p50, p99);
-* rejoin: seconds from a restarted process's start until its first committed step (p50, p99),
+* rejoin: seconds from the restart (a spare called in, or a process started) until its first
+  committed step (p50, p99),
   beside the target of 3 s plus its state's size over the link rate; "of it ours": from the
   moment it calls ``ar.init()`` (Python, torch and torch's first optimizer are loaded by then);
 * divergent: committed steps whose parameter digests differ between members (must be 0);
@@ -48,13 +52,14 @@ ROOT = Path(__file__).resolve().parent.parent
 KILL, STOP, LINK = "kill", "stop", "link down"
 FAULTS = ((KILL, 3), (STOP, 2), (LINK, 1), (KILL, 0))
 HOSTS, DOOR_PORT, MASTER_PORT = 4, 29700, 29500
-STALL_S, END_S = 30.0, 60.0
+STALL_S, END_S, SPARE_AFTER_S = 30.0, 60.0, 5.0
 
 
 class Job:
     """The four ranks of one run, restarted when they exit, and the lines they print."""
 
-    def __init__(self, cluster: Any, peer_timeout: float, folder: Path, run: int) -> None:
+    def __init__(self, cluster: Any, peer_timeout: float, folder: Path, run: int,
+                 spares: bool = True) -> None:  # fmt: skip
         self.cluster, self.folder = cluster, folder
         self.stop_file = folder / f"stop-{run}"
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -67,18 +72,46 @@ class Job:
         self.spawned: dict[tuple[int, int], float] = {}  # (slot, restart) -> when started
         self.stopping = False
         self.exits: list[tuple[int, float]] = []  # (slot, when its exit was seen)
+        self.spares: dict[int, subprocess.Popen[str]] = {}  # slot -> a spare on its host
+        self.spare_due: dict[int, float] = {s: 0.0 for s in range(HOSTS)} if spares else {}
         for slot in range(HOSTS):
             self.procs.append(self._spawn(slot))
 
-    def _spawn(self, slot: int) -> subprocess.Popen[str]:
+    def _spawn(self, slot: int, spare: bool = False) -> subprocess.Popen[str]:
+        """A rank for ``slot`` on its host; a ``spare`` runs up to ``ar.init()`` and waits there
+        until it is told the slot (as ``asyncreduce run --max-restarts`` does)."""
         env = {**harness.cluster.cluster_env(self.cluster, slot, self.port), **self.env,
                "ASYNCREDUCE_RESTART": str(self.restarts[slot])}  # fmt: skip
+        if spare:
+            env["ASYNCREDUCE_SPARE"] = "1"
         argv = [sys.executable, str(Path(elastic_rank.__file__)), "--stop", str(self.stop_file),
                 "--out", str(self.folder)]  # fmt: skip
-        proc = self.cluster.popen(slot, argv, env, stdout=subprocess.PIPE)
-        self.spawned[(slot, self.restarts[slot])] = time.time()
+        proc = self.cluster.popen(slot, argv, env, stdout=subprocess.PIPE,
+                                  stdin=subprocess.PIPE if spare else subprocess.DEVNULL)
+        if not spare:
+            self.spawned[(slot, self.restarts[slot])] = time.time()
         threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
         return proc
+
+    def _stand_in(self, slot: int) -> subprocess.Popen[str]:
+        """The slot's spare, told to restart it, else a process started now."""
+        spare = self.spares.pop(slot, None)
+        if slot in self.spare_due:
+            self.spare_due[slot] = time.time() + SPARE_AFTER_S
+        if spare is None or spare.poll() is not None:
+            return self._spawn(slot)
+        assert spare.stdin is not None
+        spare.stdin.write(f"{slot} {self.restarts[slot]}\n")
+        spare.stdin.close()
+        self.spawned[(slot, self.restarts[slot])] = time.time()
+        return spare
+
+    def keep_spares(self) -> None:
+        """A new spare for each slot whose last one stood in a while ago (SPARE_AFTER_S: its
+        imports would otherwise slow the rejoin on a small machine)."""
+        for slot, due in self.spare_due.items():
+            if slot not in self.spares and time.time() >= due and not self.stopping:
+                self.spares[slot] = self._spawn(slot, spare=True)
 
     def _pump(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -93,8 +126,9 @@ class Job:
             if proc.poll() is not None and not self.stopping:
                 self.exits.append((slot, time.time()))
                 self.restarts[slot] += 1
-                self.procs[slot] = self._spawn(slot)
+                self.procs[slot] = self._stand_in(slot)
                 again.append(slot)
+        self.keep_spares()
         return again
 
     def strike(self, fault: str, slot: int) -> None:
@@ -115,9 +149,15 @@ class Job:
         subprocess.run(["ip", "netns", "exec", self.cluster.netns[slot], "ip", "link", "set",
                         "eth0", state], check=True)  # fmt: skip
 
-    def end(self) -> bool:
-        """Ask every rank to stop; True if they all exited within END_S."""
+    def end(self, trained: set[tuple[int, int]]) -> bool:
+        """Ask every rank to stop; True if they all exited within END_S. Spares are killed,
+        and so is a restarted rank that has not trained yet (``trained``: the (slot, restart)
+        that committed a step): the members stop without letting it in."""
         self.stopping = True
+        for slot, proc in [*self.spares.items(), *enumerate(self.procs)]:
+            if proc in self.spares.values() or (slot, self.restarts[slot]) not in trained:
+                proc.kill()
+                proc.wait()
         self.stop_file.touch()
         deadline = time.monotonic() + END_S
         ended = True
@@ -191,7 +231,7 @@ class Record:
 def run_once(cluster: Any, args: argparse.Namespace, every: float | None, run: int,
              folder: Path) -> dict[str, Any]:  # fmt: skip
     """One run of ``args.seconds``: fault-free when ``every`` is None."""
-    job, record = Job(cluster, args.peer_timeout, folder, run), Record()
+    job, record = Job(cluster, args.peer_timeout, folder, run, not args.no_spares), Record()
     faults: list[dict[str, Any]] = []
     hung = False
     try:
@@ -212,11 +252,11 @@ def run_once(cluster: Any, args: argparse.Namespace, every: float | None, run: i
                     threading.Timer(args.peer_timeout + 1.0, job.heal, (fault, slot)).start()
                 next_fault, turn = time.time() + every, turn + 1
         ended_t = time.time()
-        hung = not job.end() or hung
+        hung = not job.end(set(record.last_step)) or hung
         _drain(job, record, 0.5)
     finally:
         job.stopping = True
-        for proc in job.procs:
+        for proc in [*job.procs, *job.spares.values()]:
             if proc.poll() is None:
                 proc.kill()
     for fault in faults:  # (when the victim's process was gone)
@@ -255,7 +295,8 @@ def _summary(record: Record, faults: list[dict[str, Any]], began: float, ended: 
     samples = sum(record.worlds[s] * elastic_rank.BATCH for s in steps_in)
     exclusion = {k: _exclusions(record, faults, k) for k in (KILL, STOP, LINK)}
     rejoin = [j["t"] - spawned[(j["slot"], j["restart"])] for j in record.joined]
-    ours = [j["t"] - _event(record, "ready", j) for j in record.joined]
+    ours = [j["t"] - max(_event(record, "ready", j), spawned[(j["slot"], j["restart"])])
+            for j in record.joined]  # (from ar.init(), or from a spare's call, if later)
     state_bytes = sum(p.numel() * 8 * 2 for p in elastic_rank.model().parameters())  # +momentum
     return {
         "seconds": ended - began, "began": began, "faults": len(faults), "samples": samples,
@@ -385,7 +426,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         for _, world in (r for r in row["timeline"] if r[0] >= 0):
             total += world * elastic_rank.BATCH
             samples.append(total)
-        ax.plot(times, samples, label=f"{row['name']} ({row['samples_per_s'] / rows[0]['samples_per_s']:.0%})")
+        share = row["samples_per_s"] / rows[0]["samples_per_s"]
+        ax.plot(times, samples, label=f"{row['name']} ({share:.0%})")
         for fault in row["fault_log"]:
             ax.axvline(fault["t"] - row["began"], color="grey", lw=0.5)
     ax.set_xlabel("seconds")
@@ -403,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="length of each run")
     parser.add_argument("--rate", default="1gbit", help="the emulated hosts' links")
     parser.add_argument("--peer-timeout", type=float, default=2.0)
+    parser.add_argument("--no-spares", action="store_true",
+                        help="restart a rank as a new process, not by calling in a spare")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -9,7 +9,9 @@ and ``init`` around ``ar.init()``, which in a restarted rank is its knock and co
 first optimizer, which imports torch._dynamo for a second, is made before ``ready``, so what
 lies between the two is asyncreduce's alone). At the end
 it writes its parameters and the committed steps to ``--out``/slot-S-R.npz for the replay.
-A restarted rank (``ASYNCREDUCE_RESTART``) rejoins through the doors in ``ar.init()``.
+A restarted rank (``ASYNCREDUCE_RESTART``) rejoins through the doors in ``ar.init()``; a spare
+(``ASYNCREDUCE_SPARE=1``) waits in it until the bench tells it the slot it restarts, so the
+events of a process are said once it knows its slot.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import asyncreduce as ar
 import asyncreduce.torch as art
 
 SAMPLES, FEATURES, HIDDEN, BATCH, LR = 4096, 16, 128, 32, 0.01
+STARTED = time.time()  # (after the imports: a process's start is measured by the bench)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,14 +71,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stop", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    restart = int(os.environ.get("ASYNCREDUCE_RESTART", "0"))
-    slot = int(os.environ["RANK"])
-    say(event="start", slot=slot, restart=restart, t=time.time())
     x, y = data()
     net = model()
     optimizer(list(model().parameters()))  # (torch's first optimizer: see below)
-    say(event="ready", slot=slot, restart=restart, t=time.time())
-    comm = ar.init(timeout=60)
+    ready = time.time()
+    comm = ar.init(timeout=60)  # (a spare waits in it to be told the slot it restarts)
+    restart = int(os.environ.get("ASYNCREDUCE_RESTART", "0"))
+    slot = int(os.environ["RANK"])
+    say(event="start", slot=slot, restart=restart, t=STARTED)
+    say(event="ready", slot=slot, restart=restart, t=ready)
     say(event="init", slot=slot, restart=restart, t=time.time())
     state = art.Elastic(net, comm, optimizer, sampler(), mode="backward")
     told = 0

@@ -66,8 +66,8 @@ def main() -> None:
     mean = state.comm.allreduce(np.array([loss]), op="avg")[0]  # (the last step's, over ranks)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
     print(f"{state.step} steps on {state.comm.world_size} ranks after {state.recoveries} "
-          f"recoveries and {state.rejoins} rejoins; last loss {mean:.6f}; parameters {digest.hexdigest()[:16]}",
-          flush=True)  # fmt: skip
+          f"recoveries and {state.rejoins} rejoins; last loss {mean:.6f}; parameters "
+          f"{digest.hexdigest()[:16]}", flush=True)  # fmt: skip
     state.close()
     state.comm.close()
 

@@ -45,10 +45,10 @@ def sampler() -> art.ElasticSampler:
 
 
 def main(out: Path, victim: int) -> None:
-    slot, restart = int(os.environ["RANK"]), int(os.environ.get("ASYNCREDUCE_RESTART", "0"))
     x, y = data()
     model = net()
-    comm = ar.init(timeout=60)
+    comm = ar.init(timeout=60)  # (a spare waits in it to be told the rank it restarts)
+    slot, restart = int(os.environ["RANK"]), int(os.environ.get("ASYNCREDUCE_RESTART", "0"))
     state = art.Elastic(model, comm, optimizer, sampler(), mode="backward", bucket_bytes=128)
     if slot == victim and restart == 0:
         die = lambda g: os.kill(os.getpid(), signal.SIGKILL) if state.step == KILL_STEP else None  # noqa: E731

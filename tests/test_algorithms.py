@@ -23,9 +23,11 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -59,6 +61,7 @@ from asyncreduce.algorithms import (
 )
 from asyncreduce.bootstrap.samehost import _unreadable
 from asyncreduce.kernels import reduction
+from asyncreduce.kernels.pool import CorePool
 from asyncreduce.samehost import cma
 from asyncreduce.samehost.cma import CrossMemory
 from network import Network, quiet_floats  # the fake wire
@@ -931,6 +934,7 @@ def shared_machines(
     rng: np.random.Generator,
     segment_bytes: int = SEGMENT_BYTES,
     memory: str = "window",
+    pool: CorePool | None = None,
 ) -> list[SharedAllreduce]:
     """One rank each, its buffer at a random aligned offset of a larger window. ``memory``:
     how the peers read it, in the window (``WindowMemory``) or by cross-memory attach
@@ -951,7 +955,8 @@ def shared_machines(
         return CrossMemory.announce(buf), CrossMemory(pids, piece)
 
     return [
-        LateInput(r, n, buf, dtype, op, *peers(r, offset, buf), segment_bytes, data=data[r])
+        LateInput(r, n, buf, dtype, op, *peers(r, offset, buf), pool, segment_bytes,
+                  data=data[r])  # fmt: skip
         for r, (offset, buf) in enumerate(placed)
     ]
 
@@ -990,6 +995,87 @@ def check_shared_allreduce(
     sizes = [b - a for a, b in split(count, n)]
     sent = [(n - 1) * (2 + nsegs(sizes[r], segment_bytes, dtype)) for r in range(n)]
     assert net.sent_by == sent, (net.sent_by, sent)
+
+
+@pytest.mark.parametrize("memory", ["window", "cma"])
+@pytest.mark.parametrize(("dtype_name", "op"), [("float32", "sum"), ("bfloat16", "avg"),
+                                                ("float64", "max"), ("int64", "prod")])
+def test_shared_allreduce_is_bitwise_the_same_whatever_the_pool(
+    memory: str, dtype_name: str, op: str
+) -> None:
+    """Issue 38: the same allreduce (4 ranks, segments of 4 KiB) with no pool and with pools
+    of 1 and 3 threads cutting each segment into pieces of 64 bytes: the same bits on every
+    rank in every case, and the pool really took pieces (its threads ran some)."""
+    count, n, seed = 5003, 4, 11
+    dtype = DTYPES[dtype_name]
+    inputs = make_inputs(seed, n, count, dtype_name, op)
+    data = [to_storage(x, dtype_name) for x in inputs]
+    results = {}
+    for size in (0, 1, 3):
+        pool = CorePool(size, min_piece_bytes=64) if size else None
+        seen: set[str] = set()
+        if pool is not None:
+            run = pool.run
+
+            def counting(work: Any, a: int, b: int, itemsize: int, run: Any = run,
+                         seen: set[str] = seen) -> None:  # fmt: skip
+                run(lambda x, y: (seen.add(threading.current_thread().name), work(x, y)),
+                    a, b, itemsize)  # fmt: skip
+
+            pool.run = counting  # type: ignore[method-assign]
+        machines = shared_machines(n, data, dtype, op, np.random.default_rng(seed), 4096,
+                                   memory, pool)  # fmt: skip
+        net = ReleasingNetwork(machines, seed).run()  # type: ignore[arg-type]
+        results[size] = [net.results[r].tobytes() for r in range(n)]
+        assert len(set(results[size])) == 1, f"ranks differ with a pool of {size}"
+        if pool is not None:
+            assert any(name.startswith("asyncreduce-core") for name in seen), seen
+            pool.close()
+    assert results[0] == results[1] == results[3]
+
+
+@pytest.mark.parametrize(("dtype_name", "op"), [("float32", "sum"), ("bfloat16", "avg")])
+def test_the_ring_is_bitwise_the_same_whatever_the_pool(dtype_name: str, op: str) -> None:
+    """The ring (the arenas' and TCP's large allreduce) with pools of 0, 1 and 3 threads
+    taking 64-byte pieces of each 4 KiB segment it combines: the same bits everywhere."""
+    n, count, seed = 5, 3001, 5
+    dtype = DTYPES[dtype_name]
+    inputs = make_inputs(seed, n, count, dtype_name, op)
+    results = {}
+    for size in (0, 1, 3):
+        pool = CorePool(size, min_piece_bytes=64) if size else None
+        buffers = [to_storage(x, dtype_name) for x in inputs]
+        machines: list[Collective] = [
+            Ring(r, n, buffers[r], dtype, op, True, segment_bytes=4096, pool=pool)
+            for r in range(n)
+        ]
+        Network(machines, seed).run()
+        results[size] = [b.tobytes() for b in buffers]
+        assert len(set(results[size])) == 1
+        if pool is not None:
+            pool.close()
+    assert results[0] == results[1] == results[3]
+
+
+def test_the_pool_cuts_a_range_into_whole_pieces_and_passes_errors_on() -> None:
+    pool = CorePool(3, min_piece_bytes=1024)
+    try:
+        assert pool.pieces(0, 100, 8) == [(0, 100)]  # 800 bytes: no piece to lend
+        assert pool.pieces(10, 1010, 8) == [(10, 260), (260, 510), (510, 760), (760, 1010)]
+        assert pool.pieces(0, 300, 8) == [(0, 150), (150, 300)]  # 2400 bytes: 2 pieces
+        done = np.zeros(1000, np.int64)
+        pool.run(lambda a, b: done.__setitem__(slice(a, b), done[a:b] + 1), 0, 1000, 8)
+        assert (done == 1).all()  # every element once
+
+        def fail(a: int, b: int) -> None:
+            if a > 0:
+                raise ValueError(f"piece {a}")
+
+        with pytest.raises(ValueError, match="piece"):
+            pool.run(fail, 0, 1000, 8)
+    finally:
+        pool.close()
+    assert CorePool(0).pieces(0, 10**6, 8) == [(0, 10**6)]
 
 
 def test_build_takes_the_shared_window_when_given() -> None:

@@ -80,3 +80,29 @@ def test_a_knock_that_nobody_answers_times_out_naming_the_doors() -> None:
     assert time.monotonic() - began < 10
     with pytest.raises(UsageError, match="no place among the 3 doors"):
         knock(doors, 3, time.monotonic() + 1)
+
+
+def test_a_spare_waits_to_be_told_the_rank_it_restarts() -> None:
+    """A spare (ASYNCREDUCE_SPARE=1) blocks in ar.init()'s first step until its launcher writes
+    '<rank> <restart>' on its stdin, then carries on as that rank's restart; an end of input
+    ends it quietly, and anything else is refused."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from asyncreduce.bootstrap.doors import stand_in; stand_in(); "
+            "print(os.environ['RANK'], os.environ['ASYNCREDUCE_RESTART'], "
+            "'ASYNCREDUCE_SPARE' in os.environ)")  # fmt: skip
+    env = {**os.environ, "ASYNCREDUCE_SPARE": "1"}
+    env.pop("RANK", None)
+
+    def spare(told: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code], input=told, env=env, text=True,
+                              capture_output=True, timeout=60, check=False)  # fmt: skip
+
+    called = spare("2 3\n")
+    assert called.returncode == 0 and called.stdout.split() == ["2", "3", "False"], called
+    ended = spare("")
+    assert ended.returncode == 0 and ended.stdout == "", ended
+    bad = spare("two\n")
+    assert bad.returncode == 1 and "not '<rank> <restart>'" in bad.stderr, bad.stderr[-500:]

@@ -156,9 +156,10 @@ def test_the_example_goes_on_under_asyncreduce_run_elastic() -> None:
 
 
 def test_a_killed_rank_0_is_restarted_and_rejoins_the_survivors(tmp_path: Any) -> None:
-    """tests/rejoin_job.py under ``asyncreduce run --elastic --max-restarts 1``: slot 0 (the
-    store's host) dies at step 5, the three others go on, the launcher starts it again, it
-    knocks on a survivor's door and is let in at a step boundary with their state. Every
+    """tests/rejoin_job.py under ``asyncreduce run --elastic --max-restarts 1 --spare``: slot 0
+    (the store's host) dies at step 5, the three others go on, the launcher calls in its spare
+    (waiting in ``ar.init()`` since the start) for slot 0, which knocks on a survivor's door and
+    is let in at a step boundary with their state. Every
     rank ends bitwise equal, the digests agree on every step two ranks both committed, and
     the replay of the committed steps (4, then 3, then 4 members) matches to 1e-5."""
     import json
@@ -169,7 +170,7 @@ def test_a_killed_rank_0_is_restarted_and_rejoins_the_survivors(tmp_path: Any) -
     job = Path(__file__).resolve().parent / "rejoin_job.py"
     done = subprocess.run(
         [sys.executable, "-m", "asyncreduce", "run", "-n", "4", "--elastic", "--max-restarts",
-         "1", str(job), str(tmp_path), "0"],
+         "1", "--spare", str(job), str(tmp_path), "0"],
         capture_output=True, text=True, timeout=150, check=False,
         env={**os.environ, "ASYNCREDUCE_PEER_TIMEOUT": "2"},
     )  # fmt: skip

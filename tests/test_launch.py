@@ -185,6 +185,8 @@ def test_max_restarts_starts_a_failed_rank_again_with_the_doors(tmp_path: Path) 
     assert done.stderr.count("rank 1 started again") == 2, done.stderr
     refused = launch("-n", "2", "--max-restarts", "1", str(prog), str(tmp_path))
     assert refused.returncode == 2 and "--max-restarts N needs --elastic" in refused.stderr
+    refused = launch("-n", "2", "--elastic", "--spare", str(prog), str(tmp_path))
+    assert refused.returncode == 2 and "--spare needs --max-restarts N" in refused.stderr
 
 
 def test_a_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:

@@ -89,6 +89,12 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "the others at a step boundary (docs/elastic.md)",
     )  # fmt: skip
     run.add_argument(
+        "--spare", action="store_true",
+        help="(with --max-restarts) keep one process started ahead, waiting in ar.init(), to "
+        "restart the next rank that fails: no wait for Python and the imports (the program "
+        "must do nothing of its rank's before ar.init())",
+    )  # fmt: skip
+    run.add_argument(
         "--backend", choices=("native", "mpi", "torch"), default=None,
         help="what ar.init() runs on (ASYNCREDUCE_BACKEND): mpi starts the ranks with mpirun",
     )  # fmt: skip
@@ -104,9 +110,13 @@ def _run(args: argparse.Namespace) -> int:
         program = program[1:]
     if not program:
         args.run_parser.error(f"missing the program to run (e.g. {_RUN_EXAMPLE})")
+    if args.spare and not args.max_restarts:
+        args.run_parser.error("--spare needs --max-restarts N: a spare stands in for a restart")
     if args.max_restarts < 0 or args.max_restarts and not args.elastic:
-        args.run_parser.error("--max-restarts N needs --elastic and N >= 0: without --elastic a "
-                              "failed rank stops the others, so there is nobody to rejoin")  # fmt: skip
+        args.run_parser.error(
+            "--max-restarts N needs --elastic and N >= 0: without --elastic a failed rank stops "
+            "the others, so there is nobody to rejoin"
+        )
     return launch.run(
         args.nprocs,
         program,
@@ -116,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
         backend=args.backend,
         elastic=args.elastic,
         max_restarts=args.max_restarts,
+        spare=args.spare,
     )
 
 

@@ -28,7 +28,11 @@ The main thread polls the children every few milliseconds:
   exited 0 (the first failure's code if none is left). With ``max_restarts`` the launcher
   starts a failed rank again (``ASYNCREDUCE_RESTART``: its count of restarts), up to that
   many times in all, and it knocks on the others' doors (``ASYNCREDUCE_DOORS``: a free port
-  per rank on ``master_addr``, bootstrap/doors.py) to rejoin;
+  per rank on ``master_addr``, bootstrap/doors.py) to rejoin. With ``spare``, the process
+  that restarts it was started ahead (``ASYNCREDUCE_SPARE=1``, no ``RANK``: it has run the
+  program up to ``ar.init()`` and waits there to be told, on its stdin, which rank it stands
+  in for), so a restart does not wait for Python and the imports; a new spare is started
+  after each. The program must then do nothing of its rank's before ``ar.init()``;
 * the launcher got ``SIGINT`` (Ctrl-C) or ``SIGTERM``: forward it to every rank, then escalate
   (``SIGTERM``, ``SIGKILL``) each ``grace`` seconds, and return ``128 + signal`` (130 for
   Ctrl-C). A second signal while stopping escalates straight to ``SIGKILL``.
@@ -73,6 +77,7 @@ def run(
     backend: str | None = None,
     elastic: bool = False,
     max_restarts: int = 0,
+    spare: bool = False,
 ) -> int:
     """Run ``argv`` as ``nprocs`` ranks and return the job's exit code (see the module doc).
 
@@ -93,7 +98,7 @@ def run(
     if backend == "mpi":
         return _run_mpirun(nprocs, argv)
     port = free_port(master_addr) if master_port is None else master_port
-    job = _Job(grace, elastic, max_restarts)
+    job = _Job(grace, elastic, max_restarts, spare)
     with _catching_signals(job.signals):
         try:
             job.start(program_command(argv), nprocs, master_addr, port)
@@ -178,6 +183,7 @@ class _Rank:
     rank: int
     proc: subprocess.Popen[bytes]
     pumps: list[threading.Thread] = field(default_factory=list)
+    label: list[bytes] = field(default_factory=list)  # its lines' prefix (a spare's changes)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -197,8 +203,11 @@ class _Rank:
 class _Job:
     """The ranks of one ``run`` call, their output pumps and the signals we received."""
 
-    def __init__(self, grace: float, elastic: bool = False, max_restarts: int = 0) -> None:
+    def __init__(
+        self, grace: float, elastic: bool = False, max_restarts: int = 0, spare: bool = False
+    ) -> None:
         self.grace, self.elastic, self.restarts_left = grace, elastic, max_restarts
+        self.keeps_spare = spare
         self.restarts = 0
         self.failed: list[_Rank] = []  # (elastic) the ranks that failed, reported
         self.ranks: list[_Rank] = []
@@ -206,6 +215,7 @@ class _Job:
         self.out_lock = threading.Lock()
         self.command: list[str] = []
         self.envs: list[dict[str, str]] = []
+        self.spare: _Rank | None = None  # (max_restarts) a started process, waiting to stand in
 
     def start(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
         self.command = command
@@ -215,29 +225,57 @@ class _Job:
             for env in self.envs:
                 env["ASYNCREDUCE_DOORS"] = doors
         for rank in range(nprocs):
-            self.ranks.append(self._spawn(rank))
+            self.ranks.append(self._spawn(rank, self.envs[rank]))
+        self._keep_a_spare()
 
-    def _spawn(self, rank: int) -> _Rank:
+    def _spawn(self, rank: int, env: dict[str, str], spare: bool = False) -> _Rank:
         proc = subprocess.Popen(
             self.command,
-            env=self.envs[rank],
-            stdin=subprocess.DEVNULL,
+            env=env,
+            stdin=subprocess.PIPE if spare else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        member = _Rank(rank, proc)
+        member = _Rank(rank, proc, label=[b"[spare] " if spare else f"[{rank}] ".encode()])
         assert proc.stdout is not None and proc.stderr is not None
-        member.pumps.append(self._pump(rank, proc.stdout, sys.stdout))
-        member.pumps.append(self._pump(rank, proc.stderr, sys.stderr))
+        member.pumps.append(self._pump(member, proc.stdout, sys.stdout))
+        member.pumps.append(self._pump(member, proc.stderr, sys.stderr))
         return member
 
-    def _pump(self, rank: int, pipe: IO[bytes], out: TextIO) -> threading.Thread:
-        prefix = f"[{rank}] ".encode()
-        name = f"asyncreduce-run-{rank}-{'out' if out is sys.stdout else 'err'}"
+    def _keep_a_spare(self) -> None:
+        """(max_restarts) Start a spare: the program, run up to ``ar.init()``, where it waits
+        to be told which rank it stands in for (bootstrap/doors.py), so a restart does not
+        wait for Python and the imports."""
+        if self.keeps_spare and self.restarts_left > 0 and self.spare is None:
+            env = {k: v for k, v in self.envs[0].items() if k not in ("RANK", "LOCAL_RANK")}
+            self.spare = self._spawn(-1, {**env, "ASYNCREDUCE_SPARE": "1"}, spare=True)
+
+    def _stand_in(self, rank: int) -> _Rank:
+        """The spare, told to stand in for ``rank`` (restart ``self.restarts``), else a new
+        process for it; then a new spare."""
+        spare, self.spare = self.spare, None
+        member = None
+        if spare is not None and spare.running():
+            try:
+                assert spare.proc.stdin is not None
+                spare.proc.stdin.write(f"{rank} {self.restarts}\n".encode())
+                spare.proc.stdin.close()
+                spare.rank, spare.label[0] = rank, f"[{rank}] ".encode()
+                member = spare
+            except OSError:  # (it died meanwhile)
+                spare.signal_group(signal.SIGKILL)
+        if member is None:
+            member = self._spawn(rank, self.envs[rank])
+        self._keep_a_spare()
+        return member
+
+    def _pump(self, member: _Rank, pipe: IO[bytes], out: TextIO) -> threading.Thread:
+        name = f"asyncreduce-run-{member.proc.pid}-{'out' if out is sys.stdout else 'err'}"
         thread = threading.Thread(
-            target=_copy_lines, args=(pipe, out, prefix, self.out_lock), name=name, daemon=True
-        )
+            target=_copy_lines, args=(pipe, out, member.label, self.out_lock), name=name,
+            daemon=True,
+        )  # fmt: skip
         thread.start()
         return thread
 
@@ -278,7 +316,7 @@ class _Job:
             self.restarts_left -= 1
             self.restarts += 1
             self.envs[member.rank]["ASYNCREDUCE_RESTART"] = str(self.restarts)
-            self.ranks[self.ranks.index(member)] = self._spawn(member.rank)
+            self.ranks[self.ranks.index(member)] = self._stand_in(member.rank)
             self.say(f"rank {member.rank} started again (restart {self.restarts}); it rejoins")
 
     def _elastic_code(self) -> int:
@@ -332,6 +370,9 @@ class _Job:
 
     def reap(self) -> None:
         """Kill and reap every child, sweep their groups, and finish copying their output."""
+        if self.spare is not None:
+            self.ranks.append(self.spare)  # (it is reaped with the others)
+            self.spare = None
         for member in self.ranks:
             if member.running():
                 member.signal_group(signal.SIGKILL)
@@ -342,15 +383,18 @@ class _Job:
             member.drain(_DRAIN_S)
 
 
-def _copy_lines(pipe: IO[bytes], out: TextIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copy whole lines from ``pipe`` to ``out``, prefixed; keep draining if ``out`` breaks."""
+def _copy_lines(
+    pipe: IO[bytes], out: TextIO, label: list[bytes], lock: threading.Lock
+) -> None:
+    """Copy whole lines from ``pipe`` to ``out``, prefixed with ``label[0]`` (as it is when
+    the line comes); keep draining if ``out`` breaks."""
     broken = False
     with pipe:
         for line in pipe:
             if broken:
                 continue
             try:
-                _write(out, prefix + (line if line.endswith(b"\n") else line + b"\n"), lock)
+                _write(out, label[0] + (line if line.endswith(b"\n") else line + b"\n"), lock)
             except (OSError, ValueError):
                 broken = True  # our stdout is gone (closed pipe): never block the child
 

@@ -29,10 +29,10 @@ from .bootstrap.doors import Admission, Door
 from .bootstrap.native import connect_admitted
 from .comm import Communicator
 from .engine.parts import ShrinkCall
-from .protocol.operation import Settings
 from .errors import ClosedError, UsageError
 from .keys import Keys
 from .protocol.epochs import epoch_prefix
+from .protocol.operation import Settings
 from .request import Request
 
 __all__ = ["let_in", "shrink"]
@@ -98,9 +98,10 @@ def let_in(
     attempt: int, timeout: float = 10.0,
 ) -> tuple[Communicator, tuple[int, ...]] | None:  # fmt: skip
     """Every member calls it at the same step boundary (``slots``: the slot of each rank of
-    ``comm``; ``attempt``: a number the members share and never use twice, such as the step). If somebody
-    knocked for a vacant slot on any member's door, they all form a new communicator with
-    the joiners, which come after the members, and return it with its slots; else None.
+    ``comm``; ``attempt``: a number the members share and never use twice, such as the
+    step). If somebody knocked for a vacant slot on any member's door, they all form a new
+    communicator with the joiners, which come after the members, and return it with its
+    slots; else None.
 
     The members first share what they heard (one allreduce: the largest nonce per vacant
     slot), so they all admit the same joiners; the door of rank 0 serves the rendezvous. If
@@ -126,7 +127,7 @@ def let_in(
         door.forget(slot, nonce)
     formed = comm.allreduce(np.array([grown is not None], np.int64), op="min",
                             name="asyncreduce.let_in.formed")  # fmt: skip
-    if formed[0]:
+    if formed[0] and grown is not None:
         return grown, order
     log.warning("rank %d: the new membership %s did not form everywhere; going on without "
                 "slots %s", comm.rank, order, [s for s, _ in joiners])  # fmt: skip

@@ -7,6 +7,7 @@ count, dtype, world size), so all ranks pick the same one without talking.
 from __future__ import annotations
 
 from ..kernels.fold import Combining, Swap
+from ..kernels.pool import CorePool
 from ..kernels.reduction import (
     DTYPE_BY_CODE,
     DTYPES,
@@ -118,6 +119,7 @@ def build(
     reduce_op: str = "sum",
     root: int = 0,
     shared: tuple[int, PeerMemory] | None = None,
+    pool: CorePool | None = None,
 ) -> Collective:
     """The state machine for one rank's part of an operation.
 
@@ -125,22 +127,21 @@ def build(
     with this rank's block already in place (allgather). ``shared`` (allreduce only): what
     this rank's READY announces and how the peers' buffers are read, when every rank reads
     the others' in place (shared windows, cross-memory attach; the descriptor says which, so
-    all ranks agree).
+    all ranks agree). ``pool``: idle cores that take pieces of a large reduction (kernels/pool.py).
     """
     if kind in ("allreduce", "reduce"):
         if shared is not None:
-            return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *shared)
+            return SharedAllreduce(rank, world_size, buffer, dtype, reduce_op, *shared, pool)
         if buffer.nbytes <= SMALL_ALLREDUCE_BYTES:
             return RecursiveDoubling(rank, world_size, buffer, dtype, reduce_op)
-        return Ring(rank, world_size, buffer, dtype, reduce_op, gather=True)
+        return Ring(rank, world_size, buffer, dtype, reduce_op, gather=True, pool=pool)
     if kind == "broadcast":
         return TreeBroadcast(rank, world_size, buffer, root)
     if kind == "allgather":
         return Ring(rank, world_size, buffer, dtype, None, True, _blocks(buffer.size, world_size))
     if kind == "reduce_scatter":
-        return Ring(
-            rank, world_size, buffer, dtype, reduce_op, False, _blocks(buffer.size, world_size)
-        )
+        return Ring(rank, world_size, buffer, dtype, reduce_op, False,
+                    _blocks(buffer.size, world_size), pool=pool)  # fmt: skip
     if kind == "barrier":
         return Barrier(rank, world_size)
     raise ValueError(f"unknown operation kind {kind!r}; expected one of {sorted(KINDS)}")

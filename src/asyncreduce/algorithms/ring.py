@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.pool import CorePool
 from ..kernels.reduction import DType, combine, finalize
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 
@@ -42,8 +43,10 @@ class Ring(Collective):
         gather: bool,
         chunks: list[tuple[int, int]] | None = None,
         segment_bytes: int = SEGMENT_BYTES,
+        pool: CorePool | None = None,
     ) -> None:
         super().__init__(rank, world_size)
+        self._pool = pool  # idle cores that take pieces of each segment's reduction
         self.buffer = buffer
         self.dtype = dtype
         self.reduce_op = reduce_op
@@ -118,7 +121,17 @@ class Ring(Collective):
         if step < self._rs_steps:
             assert self.reduce_op is not None
             target = self.buffer[slice(*self._segs[self._recv_chunk(step)][seg])]
-            combine(self.dtype, self.reduce_op, target, payload)
-            if step == self._rs_steps - 1:
-                finalize(self.dtype, self.reduce_op, target, self.world_size)
+            last = step == self._rs_steps - 1
+            if self._pool is None:
+                self._combine(target, payload, last, 0, target.size)
+            else:  # (pieces of it on idle cores: the same elements, in the same order)
+                self._pool.run(lambda a, b: self._combine(target, payload, last, a, b), 0,
+                               target.size, target.itemsize)  # fmt: skip
         return self._sends(step + 1, seg)
+
+    def _combine(self, target: Array, payload: Array, last: bool, a: int, b: int) -> None:
+        """Elements [a, b) of a received segment combined into ours (finalized if ``last``)."""
+        assert self.reduce_op is not None
+        combine(self.dtype, self.reduce_op, target[a:b], payload[a:b])
+        if last:
+            finalize(self.dtype, self.reduce_op, target[a:b], self.world_size)

@@ -33,6 +33,9 @@ reduction, or a copy) per call, so the engine can do it between other operations
 the most urgent first. While any of it is left, every peer whose buffer it will still read
 stays in ``pending_sources``, so a peer that leaves meanwhile fails the operation here.
 
+Where this rank has idle cores (kernels/pool.py), each segment's reduction and copy is cut
+among them: the same elements, combined in the same order, on several cores at once.
+
 Per rank: one read-modify-write pass over its own chunk per peer, and one copy of every other
 chunk; for two ranks about two passes over the buffer, against four through the arenas for
 the ring, and no payload crosses a socket.
@@ -40,11 +43,12 @@ the ring, and no payload crosses a socket.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
 
+from ..kernels.pool import CorePool
 from ..kernels.reduction import DType, combine, finalize
 from .base import SEGMENT_BYTES, Array, Collective, ProtocolError, Send, segments, split
 
@@ -115,6 +119,7 @@ class SharedAllreduce(Collective):
         reduce_op: str,
         where: int,
         memory: PeerMemory,
+        pool: CorePool | None = None,
         segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         super().__init__(rank, world_size)
@@ -123,6 +128,7 @@ class SharedAllreduce(Collective):
         self.reduce_op = reduce_op
         self.peers = [p for p in range(world_size) if p != rank]
         self._memory = memory
+        self._pool = pool  # idle cores that take pieces of each segment (kernels/pool.py)
         seg_elems = max(1, segment_bytes // dtype.itemsize)
         self._segs = [segments(a, b, seg_elems) for a, b in split(buffer.size, world_size)]
         self._where = np.array([where], dtype=_OFFSET)
@@ -194,8 +200,8 @@ class SharedAllreduce(Collective):
             sends = self._reduce_one()
         elif (index := self._copyable()) is not None:
             peer, seg = self._to_copy.pop(index)
-            a, b = self._segs[peer][seg]
-            self._theirs[peer].copy_to(self.buffer[a:b], a)
+            theirs = self._theirs[peer]
+            self._on_cores(lambda x, y: theirs.copy_to(self.buffer[x:y], x), *self._segs[peer][seg])
             self._copied += 1
         if self._finished_here():
             self._released = True
@@ -212,14 +218,25 @@ class SharedAllreduce(Collective):
         return ready and self._reduced < min(len(self._segs[self.rank]), heard + 1)
 
     def _reduce_one(self) -> list[Send]:
-        a, b = self._segs[self.rank][self._reduced]
+        self._on_cores(self._reduce_range, *self._segs[self.rank][self._reduced])
+        self._reduced += 1
+        return self._to_all(REDUCED, self._reduced - 1, self.buffer[:0])
+
+    def _reduce_range(self, a: int, b: int) -> None:
+        """Elements [a, b) of my chunk: the peers' combined in, in ascending rank order."""
         target = self.buffer[a:b]
         for peer in self.peers:
             for start, piece in self._theirs[peer].read(a, b):
                 combine(self.dtype, self.reduce_op, target[start - a :][: piece.size], piece)
         finalize(self.dtype, self.reduce_op, target, self.world_size)
-        self._reduced += 1
-        return self._to_all(REDUCED, self._reduced - 1, self.buffer[:0])
+
+    def _on_cores(self, work: Callable[[int, int], None], a: int, b: int) -> None:
+        """``work`` over [a, b), cut among the pool's cores where there is one (every element
+        is still done by one thread, with the same operands in the same order)."""
+        if self._pool is None:
+            work(a, b)
+        else:
+            self._pool.run(work, a, b, self.buffer.itemsize)
 
     def _copyable(self) -> int | None:
         """Where in the queue a final segment waits whose owner said where its buffer is."""

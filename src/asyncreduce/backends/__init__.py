@@ -28,7 +28,8 @@ def backend_for(
     if engine is None:
         return LocalBackend()
     if isinstance(engine, Engine):
-        return NativeBackend(engine, rank, world_size, SharedPlanes(one_host, cross))
+        return NativeBackend(engine, rank, world_size,
+                             SharedPlanes(one_host, cross, world_size))  # fmt: skip
     if isinstance(engine, OrderedEngine):
         return OrderedBackend(engine)
     return engine

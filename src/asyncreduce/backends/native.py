@@ -69,7 +69,7 @@ def built(
         plane = planes.choose(kind, buf.flat)
         root, shared = plane if plane is not None else (root, None)
         algo = build(kind, rank, world_size, buf.flat, buf.dtype, plan.op or "sum", plan.root,
-                     shared)  # fmt: skip
+                     shared, planes.lent_cores())  # fmt: skip
     return algo, plan.descriptor(root, buf.dtype.code)
 
 

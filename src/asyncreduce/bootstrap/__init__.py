@@ -30,7 +30,7 @@ import os
 
 from ..comm import Communicator
 from ..errors import UsageError
-from .doors import doors_from_env, restart_count
+from .doors import doors_from_env, restart_count, stand_in
 from .native import join, rejoin
 
 __all__ = ["init"]
@@ -83,6 +83,7 @@ def init(
         from .ordered import connect_torch
 
         return connect_torch(group, timeout)
+    stand_in()  # (a spare of an elastic job waits here until a rank needs it)
     if restart_count() > 0 and doors_from_env() is not None:  # a restarted elastic rank
         return rejoin(timeout)
     return join(rank, world_size, master_addr, master_port, init_method, timeout)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +28,12 @@ from dataclasses import dataclass
 from ..errors import BrokenError, UsageError
 from ..rendezvous import TCPStore
 
-__all__ = ["BEFORE_KNOCK", "Admission", "Door", "doors_from_env", "knock", "restart_count"]
+__all__ = [
+    "BEFORE_KNOCK", "Admission", "Door", "doors_from_env", "knock", "restart_count", "stand_in",
+]  # fmt: skip
 
 log = logging.getLogger("asyncreduce.comm")
-DOORS_ENV, RESTART_ENV = "ASYNCREDUCE_DOORS", "ASYNCREDUCE_RESTART"
+DOORS_ENV, RESTART_ENV, SPARE_ENV = "ASYNCREDUCE_DOORS", "ASYNCREDUCE_RESTART", "ASYNCREDUCE_SPARE"
 _MAX_NONCE = 2**62
 
 #: Run before the first knock: once let in, the members wait for this process, so what costs
@@ -61,6 +64,25 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
     if not text.isdigit():
         raise UsageError(f"{RESTART_ENV}={text!r} is not a count of restarts (0, 1, 2, ...)")
     return int(text)
+
+
+def stand_in() -> None:
+    """(a spare: ``ASYNCREDUCE_SPARE=1``, started ahead by ``asyncreduce run --max-restarts``)
+    Make ready what costs time once per process, then wait on stdin for ``<rank> <restart>``:
+    the rank this process now restarts. It takes them as ``RANK`` and ``ASYNCREDUCE_RESTART``
+    (``ar.init()`` then rejoins). A launcher that never calls it in ends it; an end of input
+    ends it quietly."""
+    if os.environ.get(SPARE_ENV) != "1":
+        return
+    for warm_up in BEFORE_KNOCK:
+        warm_up()
+    words = sys.stdin.readline().split()
+    if not words:
+        raise SystemExit(0)  # (the job ended without needing this spare)
+    if len(words) != 2 or not all(w.isdigit() for w in words):
+        raise UsageError(f"a spare was told {' '.join(words)!r}, not '<rank> <restart>'")
+    os.environ.update(RANK=words[0], LOCAL_RANK=words[0], ASYNCREDUCE_RESTART=words[1])
+    del os.environ[SPARE_ENV]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ import ctypes
 import errno
 import functools
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -105,8 +106,15 @@ class CrossMemory:
 
     def __init__(self, pids: Mapping[int, int], piece_bytes: int = PIECE_BYTES) -> None:
         self._pids = dict(pids)
-        # one engine thread reads at a time; room for at least one element of any dtype
-        self._scratch = np.empty(max(piece_bytes, _WIDEST), np.uint8)
+        self._piece_bytes = max(piece_bytes, _WIDEST)  # room for one element of any dtype
+        self._local = threading.local()  # a scratch buffer per thread that reads (the engine's,
+        # and the core pool's: kernels/pool.py)
+
+    def _scratch(self) -> Array:
+        found: Array | None = getattr(self._local, "scratch", None)
+        if found is None:
+            found = self._local.scratch = np.empty(self._piece_bytes, np.uint8)
+        return found
 
     @staticmethod
     def announce(buffer: Array) -> int:
@@ -121,16 +129,18 @@ class CrossMemory:
             raise ProtocolError(
                 f"cross-memory allreduce: rank {peer} announced {like.nbytes} bytes at {where:#x}"
             )
-        return _PeerBuffer(peer, self._pids[peer], where, like.dtype, self._scratch)
+        return _PeerBuffer(peer, self._pids[peer], where, like.dtype, self._scratch,
+                           self._piece_bytes)  # fmt: skip
 
 
 class _PeerBuffer:
     """One peer's buffer in another process: read in pieces, or copied straight into place."""
 
-    def __init__(self, rank: int, pid: int, address: int, dtype: np.dtype, scratch: Array) -> None:
+    def __init__(self, rank: int, pid: int, address: int, dtype: np.dtype,
+                 scratch: Callable[[], Array], piece_bytes: int) -> None:  # fmt: skip
         self._rank, self._pid, self._address, self._dtype = rank, pid, address, dtype
-        self._scratch = scratch
-        self._piece = max(1, scratch.nbytes // dtype.itemsize)
+        self._scratch = scratch  # this thread's scratch buffer
+        self._piece = max(1, piece_bytes // dtype.itemsize)
 
     def _read(self, dest: int, start: int, nbytes: int) -> None:
         try:
@@ -144,10 +154,11 @@ class _PeerBuffer:
 
     def read(self, start: int, stop: int) -> Iterator[tuple[int, Array]]:
         """Elements [start, stop) as (first element, array) pieces, each valid until the next."""
+        scratch = self._scratch()
         for a in range(start, stop, self._piece):
             n = min(self._piece, stop - a) * self._dtype.itemsize
-            self._read(self._scratch.ctypes.data, a, n)
-            yield a, self._scratch[:n].view(self._dtype)
+            self._read(scratch.ctypes.data, a, n)
+            yield a, scratch[:n].view(self._dtype)
 
     def copy_to(self, out: Array, start: int) -> None:
         """out[:] = elements [start, start + out.size)."""

@@ -26,6 +26,7 @@ from ..algorithms import (
     PeerMemory,
     RenumberedMemory,
 )
+from ..kernels.pool import CorePool, pool_size
 from .cma import CrossMemory
 from .window import Windows
 
@@ -57,19 +58,23 @@ class DataPlane:
 class SharedPlanes:
     """A communicator's shared windows and cross-memory reader, and the choice between them."""
 
-    def __init__(self, one_host: bool, cross: CrossMemory | None) -> None:
+    def __init__(self, one_host: bool, cross: CrossMemory | None, world_size: int = 1) -> None:
         self.arenas = one_host  # every peer is reached through shared-memory arenas
         self.offers_windows = one_host  # shared_empty makes windows (every peer shares memory)
         self.cross = cross if one_host else None  # ordinary buffers read in place too
         self.reader: PeerMemory | None = self.cross  # a group: in its numbering
         self.windows = Windows()
+        # this rank's share of the host's idle cores (every rank is on it: one_host); its
+        # threads start at the first large reduction (kernels/pool.py)
+        self.pool: CorePool | None = CorePool(pool_size(world_size)) if one_host else None
+        self._owns_pool = self.pool is not None
 
     def for_group(self, engine_ranks: tuple[int, ...], world_size: int) -> SharedPlanes:
         """A group's planes (``engine_ranks``: its members in the engine of ``world_size``
         ranks): the same connections, the same cross-memory reader renumbered, and windows of
         its own (offered only where its members' memory is read in place)."""
         planes = SharedPlanes(False, None)
-        planes.arenas = self.arenas
+        planes.arenas, planes.pool = self.arenas, self.pool
         if self.offers_windows and self.cross is not None:  # read the members' memory in place
             planes.offers_windows, planes.cross, planes.reader = True, self.cross, self.cross
             if engine_ranks != tuple(range(world_size)):
@@ -94,6 +99,12 @@ class SharedPlanes:
             return CROSS_MEMORY, (self.cross.announce(flat), self.reader)
         return None
 
+    def lent_cores(self) -> CorePool | None:
+        """The pool that takes pieces of large reductions and copies, where it has threads."""
+        return self.pool if self.pool is not None and self.pool.size else None
+
     def close(self) -> None:
-        """Forget every window (see ``Windows.close``)."""
+        """Forget every window (see ``Windows.close``); stop the pool's threads."""
         self.windows.close()
+        if self.pool is not None and self._owns_pool:
+            self.pool.close()

@@ -262,7 +262,8 @@ class Elastic:
                 self._fresh = False
                 return
             except BrokenError:
-                self.model.close()
+                if self.model is not None:
+                    self.model.close()
                 continue
 
     def _take_rank_0s(self, held: dict[str, Any], holders: int = 1) -> None:

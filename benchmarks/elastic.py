@@ -74,6 +74,7 @@ class Job:
         self.exits: list[tuple[int, float]] = []  # (slot, when its exit was seen)
         self.spares: dict[int, subprocess.Popen[str]] = {}  # slot -> a spare on its host
         self.spare_due: dict[int, float] = {s: 0.0 for s in range(HOSTS)} if spares else {}
+        self.keep_spares()
         for slot in range(HOSTS):
             self.procs.append(self._spawn(slot))
 
@@ -236,6 +237,9 @@ def run_once(cluster: Any, args: argparse.Namespace, every: float | None, run: i
     hung = False
     try:
         _wait_for_steps(job, record)
+        settled = time.monotonic() + (SPARE_AFTER_S if job.spare_due else 0.0)
+        while time.monotonic() < settled:  # (the spares' imports are done before the timing)
+            _drain(job, record, 0.1)
         began = time.time()
         next_fault, turn = began + (every or 0), 0
         while time.time() - began < args.seconds:
